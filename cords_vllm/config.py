@@ -1,0 +1,214 @@
+"""The KV policy configuration: one typed, validated object built once at start-up.
+
+Users set it with ``--kv-policy NAME --kv-policy-config JSON`` on ``vllm serve``, or with
+``additional_config={"kv_policy": NAME, "kv_policy_config": {...}}`` (``--additional-config`` on the command
+line, ``LLM(..., additional_config=...)`` offline; :func:`kv_policy_args` builds it). The command-line flags
+are folded into that same ``additional_config`` entry, which vLLM pickles into ``VllmConfig`` for the engine
+core and the workers, so every process parses the same JSON with :meth:`KVPolicyConfig.from_additional_config`.
+
+``kv_policy_config`` is a flat JSON object. Engine keys (:data:`ENGINE_KEYS`) say how much of a video is
+kept and on which layers selection runs; every other key is a hyper-parameter of the chosen selector
+(e.g. ``alpha`` for ``cords``) and is validated by the selector itself. Unknown keys and out-of-range values
+raise :class:`KVPolicyConfigError`, whose message names the key and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+#: The policy that leaves the engine untouched.
+NO_POLICY = "none"
+ADDITIONAL_CONFIG_POLICY = "kv_policy"
+ADDITIONAL_CONFIG_CONFIG = "kv_policy_config"
+GRANULARITIES = ("token", "frame", "block")
+
+#: Engine keys of ``kv_policy_config``, with their meaning (also the configuration reference in --help).
+ENGINE_KEYS: dict[str, str] = {
+    "budget": "video tokens a request holds after compression: kept old tokens + recent window (int > 0; "
+              "default 2048)",
+    "recent": "most recent video tokens always kept (int, 0 <= recent < budget; default budget // 4)",
+    "slack": "extra video tokens allowed above budget before compressing again, so compression does not "
+             "run every chunk (int >= 0; default budget // 4)",
+    "granularity": "selection unit: 'token', 'frame' (centroid of a frame's tokens) or 'block' (centroid "
+                   "of a paged KV block) (default 'token')",
+    "per_head": "select tokens for each KV head on its own instead of all heads jointly (bool; default "
+                "false)",
+    "anchors": "layers that run the selector on their own keys/values: a list of layer indices, or 'all' "
+               "(every layer is its own anchor, no followers) (default [0])",
+}
+
+
+class KVPolicyConfigError(ValueError):
+    """A ``--kv-policy`` / ``--kv-policy-config`` value that cannot be used; the message says why."""
+
+
+def available_policies() -> list[str]:
+    """``none`` followed by every selector in the registry: the choices of ``--kv-policy``."""
+    from cords_vllm.selection import available_selectors
+
+    return [NO_POLICY, *available_selectors()]
+
+
+@dataclass(frozen=True)
+class KVPolicyConfig:
+    """Validated KV policy settings shared by the scheduler and the workers.
+
+    Attributes
+    ----------
+    policy:
+        Registered selector name, or ``"none"`` (engine untouched).
+    budget, recent, slack:
+        Video tokens held after compression, of which ``recent`` are the newest (always kept), and the
+        head-room above ``budget`` before the next compression. See :data:`ENGINE_KEYS`.
+    granularity:
+        ``"token"``, ``"frame"`` or ``"block"``.
+    per_head:
+        Per-KV-head selection instead of joint selection over all heads.
+    anchors:
+        Anchor layer indices, or ``None`` for "every layer is an anchor".
+    params:
+        Selector hyper-parameters (validated by the selector).
+    """
+
+    policy: str = NO_POLICY
+    budget: int = 2048
+    recent: int = 512
+    slack: int = 512
+    granularity: str = "token"
+    per_head: bool = False
+    anchors: tuple[int, ...] | None = (0,)
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def enabled(self) -> bool:
+        return self.policy != NO_POLICY
+
+    @classmethod
+    def parse(cls, policy: str | None, config: str | Mapping[str, Any] | None) -> KVPolicyConfig:
+        """Validate a policy name and its JSON (string or mapping) configuration."""
+        policy = NO_POLICY if policy is None else policy
+        choices = available_policies()
+        if policy not in choices:
+            raise KVPolicyConfigError(f"unknown kv policy {policy!r}; choose from: {', '.join(choices)}")
+        raw = _load_json_object(config)
+        if policy == NO_POLICY:
+            if raw:
+                raise KVPolicyConfigError(
+                    f"kv_policy_config {sorted(raw)} was given but kv_policy is 'none'; choose a policy "
+                    f"({', '.join(choices[1:])}) or drop the configuration"
+                )
+            return cls()
+        engine = {k: v for k, v in raw.items() if k in ENGINE_KEYS}
+        params = {k: v for k, v in raw.items() if k not in ENGINE_KEYS}
+        _check_selector_params(policy, params)
+
+        budget = _int(engine, "budget", 2048, minimum=1)
+        recent = _int(engine, "recent", budget // 4, minimum=0)
+        if recent >= budget:
+            raise KVPolicyConfigError(f"kv_policy_config key 'recent' must be < budget ({budget}), got {recent}")
+        slack = _int(engine, "slack", budget // 4, minimum=0)
+        granularity = engine.get("granularity", "token")
+        if granularity not in GRANULARITIES:
+            raise KVPolicyConfigError(
+                f"kv_policy_config key 'granularity' must be one of {list(GRANULARITIES)}, got {granularity!r}"
+            )
+        per_head = engine.get("per_head", False)
+        if not isinstance(per_head, bool):
+            raise KVPolicyConfigError(f"kv_policy_config key 'per_head' must be true or false, got {per_head!r}")
+        return cls(policy=policy, budget=budget, recent=recent, slack=slack, granularity=granularity,
+                   per_head=per_head, anchors=_anchors(engine.get("anchors", [0])), params=params)
+
+    @classmethod
+    def from_additional_config(cls, additional_config: Mapping[str, Any] | None) -> KVPolicyConfig:
+        """Parse the ``kv_policy`` / ``kv_policy_config`` entries of vLLM's ``additional_config``."""
+        ac = additional_config or {}
+        return cls.parse(ac.get(ADDITIONAL_CONFIG_POLICY), ac.get(ADDITIONAL_CONFIG_CONFIG))
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config: Any) -> KVPolicyConfig:
+        return cls.from_additional_config(getattr(vllm_config, "additional_config", None))
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``kv_policy_config`` JSON object that parses back to this configuration."""
+        out = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("policy", "params")}
+        out["anchors"] = "all" if self.anchors is None else list(self.anchors)
+        return {**out, **dict(self.params)}
+
+    def anchor_of(self, layer: int, num_layers: int) -> int:
+        """The anchor layer whose selection ``layer`` reuses.
+
+        Rule: the nearest anchor at or below ``layer``; layers below the lowest anchor follow the lowest
+        anchor (so a single late anchor serves every layer, as in the paper's fastest setting).
+        """
+        if not 0 <= layer < num_layers:
+            raise ValueError(f"layer {layer} out of range for a model with {num_layers} layers")
+        if self.anchors is None:
+            return layer
+        below = [a for a in self.anchors if a <= layer]
+        return max(below) if below else min(self.anchors)
+
+    def check_model(self, num_layers: int) -> None:
+        """Reject anchors that do not exist in a model with ``num_layers`` layers."""
+        if self.anchors is not None and max(self.anchors) >= num_layers:
+            raise KVPolicyConfigError(
+                f"kv_policy_config key 'anchors' = {list(self.anchors)} names layer {max(self.anchors)}, but "
+                f"the model has layers 0..{num_layers - 1}"
+            )
+
+
+def kv_policy_args(policy: str, **config: Any) -> dict[str, Any]:
+    """Keyword arguments for ``vllm.LLM`` / ``EngineArgs`` that select a KV policy, validated now.
+
+    Example: ``LLM(model, **kv_policy_args("cords", budget=2048, anchors=[0, 2]))``.
+    """
+    parsed = KVPolicyConfig.parse(policy, config)
+    del parsed
+    return {"additional_config": {ADDITIONAL_CONFIG_POLICY: policy, ADDITIONAL_CONFIG_CONFIG: dict(config)}}
+
+
+def _load_json_object(config: str | Mapping[str, Any] | None) -> dict[str, Any]:
+    if config is None or config == "":
+        return {}
+    if isinstance(config, str):
+        try:
+            config = json.loads(config)
+        except json.JSONDecodeError as exc:
+            raise KVPolicyConfigError(f"kv_policy_config is not valid JSON: {exc}") from None
+    if not isinstance(config, Mapping):
+        raise KVPolicyConfigError(f"kv_policy_config must be a JSON object, got {type(config).__name__}")
+    return dict(config)
+
+
+def _int(values: Mapping[str, Any], key: str, default: int, *, minimum: int) -> int:
+    value = values.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise KVPolicyConfigError(f"kv_policy_config key {key!r} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _anchors(value: Any) -> tuple[int, ...] | None:
+    if value == "all":
+        return None
+    if (not isinstance(value, list | tuple) or not value
+            or any(isinstance(a, bool) or not isinstance(a, int) or a < 0 for a in value)
+            or len(set(value)) != len(value)):
+        raise KVPolicyConfigError(
+            f"kv_policy_config key 'anchors' must be 'all' or a non-empty list of distinct layer indices "
+            f">= 0, got {value!r}"
+        )
+    return tuple(sorted(value))
+
+
+def _check_selector_params(policy: str, params: Mapping[str, Any]) -> None:
+    from cords_vllm.selection import get_selector
+
+    try:
+        get_selector(policy, **params)
+    except (ValueError, TypeError) as exc:
+        allowed = ", ".join(ENGINE_KEYS)
+        raise KVPolicyConfigError(f"kv_policy_config for policy {policy!r}: {exc} (engine keys: {allowed})") \
+            from None

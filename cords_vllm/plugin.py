@@ -1,0 +1,28 @@
+"""vLLM general-plugin entry point (group ``vllm.general_plugins``).
+
+vLLM calls :func:`register` once in each of its processes (API server, engine core, every worker). It
+checks the vLLM version, then adds the ``--kv-policy`` flags. Both steps are idempotent and safe in any
+process; nothing here changes the engine's behaviour when the policy is ``none``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger(__name__)
+
+_registered = False
+
+
+def register() -> None:
+    """Register cords-vllm with the running vLLM. Raises if the vLLM release is unsupported."""
+    global _registered
+    if _registered:
+        return
+    from cords_vllm import cli_args
+    from cords_vllm.version_guard import check_vllm_version
+
+    version = check_vllm_version()
+    cli_args.install()
+    _registered = True
+    logger.debug("cords-vllm registered with vLLM %s", version)
