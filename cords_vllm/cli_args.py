@@ -9,7 +9,8 @@ module wraps three ``EngineArgs`` methods, once per process (idempotent):
   offending key) and folds both flags into ``additional_config``, the config entry vLLM already pickles to
   the engine core and the workers.
 * ``create_engine_config``: validates ``additional_config`` once more, so the ``--additional-config`` form and
-  ``LLM(..., additional_config=...)`` get the same start-up errors as the flags.
+  ``LLM(..., additional_config=...)`` get the same start-up errors as the flags, and applies the engine
+  settings an enabled policy needs (:mod:`cords_vllm.engine.engine_args`).
 
 With ``--kv-policy none`` (the default) nothing is added to ``additional_config``.
 """
@@ -104,7 +105,10 @@ def install() -> None:
 
     @functools.wraps(original_create)
     def create_engine_config(self, *args, **kwargs):
-        KVPolicyConfig.from_additional_config(self.additional_config)  # raises KVPolicyConfigError
+        from cords_vllm.engine.engine_args import adjust_engine_args
+
+        policy = KVPolicyConfig.from_additional_config(self.additional_config)  # raises KVPolicyConfigError
+        adjust_engine_args(self, policy)
         return original_create(self, *args, **kwargs)
 
     for fn in (add_cli_args, from_cli_args, create_engine_config):

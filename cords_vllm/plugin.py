@@ -1,8 +1,9 @@
 """vLLM general-plugin entry point (group ``vllm.general_plugins``).
 
 vLLM calls :func:`register` once in each of its processes (API server, engine core, every worker). It
-checks the vLLM version, then adds the ``--kv-policy`` flags. Both steps are idempotent and safe in any
-process; nothing here changes the engine's behaviour when the policy is ``none``.
+checks the vLLM version, adds the ``--kv-policy`` flags and installs the engine patches
+(:mod:`cords_vllm.engine.patches`). Every step is idempotent and safe in any process; with
+``--kv-policy none`` the patched methods call straight through.
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ def register() -> None:
     if _registered:
         return
     from cords_vllm import cli_args
+    from cords_vllm.engine import patches
     from cords_vllm.version_guard import check_vllm_version
 
     version = check_vllm_version()
     cli_args.install()
+    patches.install()
     _registered = True
     logger.debug("cords-vllm registered with vLLM %s", version)

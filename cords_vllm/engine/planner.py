@@ -1,0 +1,234 @@
+"""Pure compression planning over logical token ranges and block ids (no vLLM import, no tensors).
+
+Model of a request's KV row (one full-attention KV cache group):
+
+* The row is LOGICAL: entry ``i`` covers logical tokens ``[i*bs, (i+1)*bs)``, ``num_computed_tokens`` stays
+  logical, and positions / M-RoPE / slot mapping are computed from logical indices as vLLM always does.
+* Compression rewrites a prefix ``row[:j]`` (the *old region*, block-aligned, ending before the recent
+  window) as ``k`` held blocks followed by ``j - k`` null blocks (id 0). The ``k`` kept blocks are the first
+  ``k`` of the blocks the region held: the kept tokens are compacted into them in logical order, and the
+  other blocks return to the pool. No fresh block is allocated, so compression never needs free blocks and
+  cannot fail under pool pressure (the prototype's "allocate fresh, then free" needed free blocks exactly
+  when the pool was full). This is safe because the policy runs with prefix caching off: no block of a
+  compressed request is shared or hashed.
+* Attention sees a *physical view* of the row, null entries moved to the end and ``seq_len`` reduced by
+  ``bs`` per null entry (:mod:`cords_vllm.engine.attention_view`). That is why kept tokens must fill whole
+  blocks: the number of candidate (video) tokens kept is rounded UP so that protected + kept tokens in the
+  region is a multiple of ``bs``.
+
+Only video tokens are candidates. Every other token of the region (system text, the question, text between
+videos) is protected: kept in every layer and not counted in the budget. The recent window is the
+``recent`` newest computed video tokens; the region ends at the block boundary at or before the first of
+them, so no recent video token is ever a candidate.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+NULL_BLOCK_ID = 0
+
+
+@dataclass(frozen=True)
+class VideoSpans:
+    """Logical ``[start, end)`` ranges of a request's video tokens, sorted and disjoint.
+
+    ``tokens_per_frame``: tokens of one temporal patch of each span (``h * w / merge**2``), used by
+    frame granularity; ``None`` when unknown.
+    """
+
+    spans: tuple[tuple[int, int], ...]
+    tokens_per_frame: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        previous = 0
+        for start, end in self.spans:
+            if not previous <= start < end:
+                raise ValueError(f"video spans must be sorted, disjoint and non-empty: {self.spans}")
+            previous = end
+
+    @property
+    def total(self) -> int:
+        return sum(end - start for start, end in self.spans)
+
+    def count_before(self, position: int) -> int:
+        """Video tokens with logical index ``< position``."""
+        return sum(max(0, min(end, position) - start) for start, end in self.spans)
+
+    def count_in(self, start: int, end: int) -> int:
+        return self.count_before(end) - self.count_before(start)
+
+    def position_of(self, n: int) -> int:
+        """Logical index of the ``n``-th video token (0-based); ``n`` must be ``< total``."""
+        if not 0 <= n < self.total:
+            raise IndexError(f"video token {n} out of range (0..{self.total - 1})")
+        for start, end in self.spans:
+            if n < end - start:
+                return start + n
+            n -= end - start
+        raise AssertionError("unreachable")
+
+    def is_video(self, positions: Sequence[int]) -> list[bool]:
+        starts = [s for s, _ in self.spans]
+        out = []
+        for p in positions:
+            i = bisect.bisect_right(starts, p) - 1
+            out.append(i >= 0 and p < self.spans[i][1])
+        return out
+
+
+@dataclass
+class RequestCompressionState:
+    """What the scheduler remembers about one request's compressed prefix.
+
+    ``region_blocks`` logical blocks ``[0, region_blocks)`` have been compacted; they hold
+    ``held_blocks`` physical blocks, of which ``held_video`` tokens are video.
+    """
+
+    region_blocks: int = 0
+    held_blocks: int = 0
+    held_video: int = 0
+    compressions: int = 0
+    evicted_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class CompressionPlan:
+    """One compression of one request, decided by the scheduler and carried out by every worker.
+
+    Plain data: it crosses to the workers on the ``SchedulerOutput`` (pickled in multiprocess mode).
+
+    Attributes
+    ----------
+    req_id:
+        Engine-internal request id.
+    block_size:
+        Tokens per KV block.
+    prev_region_blocks, region_blocks:
+        The old region before (``j_prev``) and after (``j``) this compression, in logical blocks.
+    src_blocks:
+        Block ids the region held before, in row order: ``k_prev`` compacted blocks holding the
+        previously kept tokens, then the ``j - j_prev`` blocks of logical tokens ``[j_prev*bs, j*bs)``.
+    row_head:
+        The new ``row[:j]``: ``src_blocks[:k]`` then ``j - k`` null ids.
+    num_keep:
+        Tokens kept in the region (``k * bs``), protected ones included.
+    num_keep_video:
+        Video tokens kept in the region (the selection budget).
+    video:
+        The request's video spans (the workers decide which held tokens are candidates).
+    """
+
+    req_id: str
+    block_size: int
+    prev_region_blocks: int
+    region_blocks: int
+    src_blocks: tuple[int, ...]
+    row_head: tuple[int, ...]
+    num_keep: int
+    num_keep_video: int
+    video: VideoSpans = field(repr=False)
+
+    @property
+    def kept_blocks(self) -> tuple[int, ...]:
+        return self.src_blocks[: self.num_keep // self.block_size]
+
+    @property
+    def freed_blocks(self) -> tuple[int, ...]:
+        return self.src_blocks[self.num_keep // self.block_size:]
+
+    @property
+    def num_held(self) -> int:
+        return len(self.src_blocks) * self.block_size
+
+
+@dataclass(frozen=True)
+class BudgetSettings:
+    """The planner's view of :class:`~cords_vllm.config.KVPolicyConfig`."""
+
+    budget: int
+    recent: int
+    slack: int
+
+
+def held_video_tokens(state: RequestCompressionState, video: VideoSpans, num_computed: int,
+                      block_size: int) -> int:
+    """Video tokens physically held for a request with ``num_computed`` logical tokens."""
+    return state.held_video + video.count_in(state.region_blocks * block_size, num_computed)
+
+
+def plan_compression(req_id: str, row: Sequence[int], num_computed: int, num_prompt: int, video: VideoSpans,
+                     state: RequestCompressionState, settings: BudgetSettings,
+                     block_size: int) -> CompressionPlan | None:
+    """Decide whether to compress a request now and how; ``None`` if not.
+
+    Compresses when the request is still in its prompt (decode never compresses) and holds more than
+    ``budget + slack`` video tokens; the region's video tokens are reduced to ``budget - recent``, rounded
+    up to fill whole blocks.
+
+    Parameters
+    ----------
+    row:
+        The request's block ids (``0`` = null), logical order; may extend past ``num_computed``.
+    num_computed:
+        Logical tokens whose KV is in the cache or being written by an in-flight step.
+    """
+    bs = block_size
+    if num_computed >= num_prompt or video.total == 0:
+        return None
+    if held_video_tokens(state, video, num_computed, bs) <= settings.budget + settings.slack:
+        return None
+    computed_video = video.count_before(num_computed)
+    if computed_video <= settings.recent:
+        return None
+    recent_start = video.position_of(computed_video - settings.recent) if settings.recent else num_computed
+    j = recent_start // bs
+    j_prev = state.region_blocks
+    if j <= j_prev:
+        return None
+    region_held_video = state.held_video + video.count_in(j_prev * bs, j * bs)
+    region_held = state.held_blocks * bs + (j - j_prev) * bs
+    protected = region_held - region_held_video
+    target = settings.budget - settings.recent
+    k = -(-(protected + target) // bs)
+    num_keep_video = k * bs - protected
+    if num_keep_video >= region_held_video:
+        return None  # rounding to whole blocks leaves nothing to evict
+    head = list(row[:j])
+    if len(head) != j:
+        raise ValueError(f"request {req_id}: row has {len(row)} blocks, region needs {j}")
+    src = [b for b in head if b != NULL_BLOCK_ID]
+    if len(src) * bs != region_held:
+        raise AssertionError(f"request {req_id}: region holds {len(src)} blocks, state expects "
+                             f"{region_held // bs}")
+    return CompressionPlan(
+        req_id=req_id, block_size=bs, prev_region_blocks=j_prev, region_blocks=j, src_blocks=tuple(src),
+        row_head=tuple(src[:k]) + (NULL_BLOCK_ID,) * (j - k), num_keep=k * bs, num_keep_video=num_keep_video,
+        video=video,
+    )
+
+
+def apply_plan(state: RequestCompressionState, plan: CompressionPlan) -> RequestCompressionState:
+    """The request's state after ``plan`` (pure)."""
+    region_held_video = state.held_video + plan.video.count_in(plan.prev_region_blocks * plan.block_size,
+                                                               plan.region_blocks * plan.block_size)
+    return RequestCompressionState(
+        region_blocks=plan.region_blocks,
+        held_blocks=plan.num_keep // plan.block_size,
+        held_video=plan.num_keep_video,
+        compressions=state.compressions + 1,
+        evicted_tokens=state.evicted_tokens + region_held_video - plan.num_keep_video,
+    )
+
+
+def compressed_footprint_blocks(num_tokens: int, video_tokens: int, settings: BudgetSettings, chunk: int,
+                                block_size: int) -> int:
+    """Upper bound on the blocks a request of ``num_tokens`` (``video_tokens`` of them video) holds at once.
+
+    Non-video tokens are all held; video tokens are held up to ``budget + slack + chunk`` plus the rounding
+    of the kept region and of the recent window to blocks (two blocks).
+    """
+    held_video = min(video_tokens, settings.budget + settings.slack + chunk + 2 * block_size)
+    return -(-(num_tokens - video_tokens + held_video) // block_size)

@@ -1,0 +1,98 @@
+"""Helpers to run the real in-process engine with a KV policy and capture what it did."""
+
+from __future__ import annotations
+
+import gc
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+from cords_vllm.config import kv_policy_args
+from cords_vllm.testing import make_video
+from cords_vllm.testing.engine import engine_core, make_llm, model_runner
+
+os.environ["CORDS_VLLM_TRACE"] = "1"
+
+BLOCK = 32
+CHUNK = 256
+VIDEO_PROMPT = ("<|im_start|>user\n<|vision_start|><|video_pad|><|vision_end|>What color was the square?"
+                "<|im_end|>\n<|im_start|>assistant\n")
+TEXT_PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+
+
+@dataclass
+class EngineRun:
+    token_ids: list[list[int]]
+    logprobs: list[list[dict[int, float]]]
+    prompt_lens: list[int]
+    events: list
+    free_blocks_before: int
+    free_blocks_after: int
+    max_blocks_held: dict[str, int]
+    stats: object
+
+
+def video(frames: int = 32, seed: int = 3) -> np.ndarray:
+    return make_video(frames, 224, 224, seed=seed).frames
+
+
+def run_engine(model: str, prompts: list[dict], policy: str = "none", max_tokens: int = 6,
+               engine_kwargs: dict | None = None, **config) -> EngineRun:
+    """Generate greedily for ``prompts`` with the policy; records per-request held blocks after every step."""
+    from vllm import SamplingParams
+
+    kwargs = {"block_size": BLOCK, "max_num_batched_tokens": 4096, "max_num_scheduled_tokens": CHUNK,
+              **(engine_kwargs or {})}
+    if policy != "none":
+        kwargs.update(kv_policy_args(policy, **config))
+    llm = make_llm(model, **kwargs)
+    core = engine_core(llm)
+    pool = core.scheduler.kv_cache_manager.block_pool
+    manager = core.scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+    free_before = pool.get_num_free_blocks()
+    max_held: dict[str, int] = {}
+    original_step = core.step
+
+    def step(*args, **kw):
+        out = original_step(*args, **kw)
+        for req_id, row in manager.req_to_blocks.items():
+            held = sum(not b.is_null for b in row)
+            max_held[req_id] = max(max_held.get(req_id, 0), held)
+        return out
+
+    core.step = step
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=20)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    worker = model_runner(llm).__dict__.get("_cords_worker")
+    run = EngineRun(
+        token_ids=[list(o.outputs[0].token_ids) for o in outs],
+        logprobs=[[{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs] for o in outs],
+        prompt_lens=[len(o.prompt_token_ids) for o in outs],
+        events=list(worker.events) if worker else [],
+        free_blocks_before=free_before,
+        free_blocks_after=pool.get_num_free_blocks(),
+        max_blocks_held=max_held,
+        stats=worker.stats if worker else None,
+    )
+    del llm, core, pool, manager
+    gc.collect()
+    return run
+
+
+def chunks_for(prompt_len: int) -> list[int]:
+    full, rest = divmod(prompt_len, CHUNK)
+    return [CHUNK] * full + ([rest] if rest else [])
+
+
+def evictions_of(events, req_prefix: str = "") -> dict[int, list[torch.Tensor]]:
+    return {e.at_token: e.kept_logical for e in events if e.req_id.startswith(req_prefix)}
+
+
+@pytest.fixture(scope="session")
+def hf_reference(tiny_model):
+    from cords_vllm.testing.hf_reference import HFQwen2VLReference
+
+    return HFQwen2VLReference(tiny_model)
