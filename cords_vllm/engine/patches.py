@@ -98,7 +98,8 @@ def _patch_scheduler() -> None:
 
 # ------------------------------------------------------------------------------------------------------
 # KV cache manager: admission reserves a request's whole prompt; cap it at the compressed footprint
-# (vLLM's cap, ``max_admission_blocks_per_request``, is per manager and meant for sliding windows).
+# (vLLM's cap, ``max_admission_blocks_per_request``, is per manager and meant for sliding windows) and keep
+# free the blocks admitted compressed requests will still grow into (``reserved_blocks``).
 # ------------------------------------------------------------------------------------------------------
 def _patch_admission() -> None:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -111,6 +112,7 @@ def _patch_admission() -> None:
             manager = comp.manager
             saved = manager.max_admission_blocks_per_request
             manager.max_admission_blocks_per_request = comp.admission_cap(request)
+            kwargs["reserved_blocks"] = kwargs.get("reserved_blocks", 0) + comp.growth_reserve(request)
             try:
                 return original(self, request, *args, **kwargs)
             finally:

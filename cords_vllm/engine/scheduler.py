@@ -80,6 +80,7 @@ class SchedulerCompressor:
         self.states: dict[str, RequestCompressionState] = {}
         self.spans: dict[str, VideoSpans] = {}
         self.pending: list[CompressionPlan] = []
+        self.footprints: dict[str, int] = {}
         self.compressions_total = 0
         self.evicted_tokens_total = 0
 
@@ -94,8 +95,9 @@ class SchedulerCompressor:
         """Compress running prompts over budget; frees their evicted blocks now."""
         for req_id in [r for r in self.states if r not in scheduler.requests]:
             self.states.pop(req_id)
-        for req_id in [r for r in self.spans if r not in scheduler.requests]:
-            self.spans.pop(req_id)
+        for cache in (self.spans, self.footprints):
+            for req_id in [r for r in cache if r not in scheduler.requests]:
+                cache.pop(req_id)
         for request in scheduler.running:
             req_id = request.request_id
             state = self.states.get(req_id)
@@ -137,8 +139,27 @@ class SchedulerCompressor:
 
     def admission_cap(self, request: Any) -> int | None:
         """Blocks to reserve for a new request with video: its compressed footprint (``None``: no cap)."""
-        video = self.spans_of(request)
-        if video.total == 0:
-            return None
-        return compressed_footprint_blocks(request.num_tokens, video.total, self.settings, self.chunk,
-                                           self.block_size)
+        footprint = self.footprints.get(request.request_id)
+        if footprint is None:
+            video = self.spans_of(request)
+            if video.total == 0:
+                return None
+            footprint = self.footprints[request.request_id] = compressed_footprint_blocks(
+                request.num_tokens, video.total, self.settings, self.chunk, self.block_size)
+        return footprint
+
+    def growth_reserve(self, request: Any) -> int:
+        """Blocks the other admitted video requests may still take before they reach their footprint.
+
+        vLLM admits a request when its own reservation fits in the free blocks, ignoring how much the
+        running requests will still grow; compressed requests grow to a known footprint, so a new request is
+        admitted only if it fits next to that growth, which avoids predictable preemptions.
+        """
+        if request.request_id in self.manager.req_to_blocks:
+            return 0  # already admitted: this is a chunk allocation
+        reserve = 0
+        for req_id, row in self.manager.req_to_blocks.items():
+            footprint = self.footprints.get(req_id)
+            if footprint is not None:
+                reserve += max(0, footprint - sum(not b.is_null for b in row))
+        return reserve

@@ -136,6 +136,7 @@ class WorkerCompressor:
         gone = set(scheduler_output.finished_req_ids or ()) | set(getattr(scheduler_output, "preempted_req_ids",
                                                                            None) or ())
         gone |= set(scheduler_output.scheduled_cached_reqs.resumed_req_ids or ())
+        gone |= {r for r in self.held if r not in runner.requests}
         for req_id in gone:
             self.held.pop(req_id, None)
             self.stats.per_request.pop(req_id, None)

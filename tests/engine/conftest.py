@@ -32,6 +32,8 @@ class EngineRun:
     free_blocks_before: int
     free_blocks_after: int
     max_blocks_held: dict[str, int]
+    max_running: int
+    num_preemptions: int
     stats: object
 
 
@@ -54,16 +56,21 @@ def run_engine(model: str, prompts: list[dict], policy: str = "none", max_tokens
     manager = core.scheduler.kv_cache_manager.coordinator.single_type_managers[0]
     free_before = pool.get_num_free_blocks()
     max_held: dict[str, int] = {}
-    original_step = core.step
+    max_running = [0]
+    preemptions = [0]
+    scheduler = core.scheduler
+    original_schedule = scheduler.schedule  # bound: the plugin's wrapper around vLLM's schedule
 
-    def step(*args, **kw):
-        out = original_step(*args, **kw)
+    def schedule(*args, **kw):
+        out = original_schedule(*args, **kw)  # after this step's allocations: the peak of what is held
         for req_id, row in manager.req_to_blocks.items():
             held = sum(not b.is_null for b in row)
             max_held[req_id] = max(max_held.get(req_id, 0), held)
+        max_running[0] = max(max_running[0], len(scheduler.running))
+        preemptions[0] += len(out.preempted_req_ids or ())
         return out
 
-    core.step = step
+    scheduler.schedule = schedule
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=20)
     outs = llm.generate(prompts, params, use_tqdm=False)
     worker = model_runner(llm).__dict__.get("_cords_worker")
@@ -75,9 +82,11 @@ def run_engine(model: str, prompts: list[dict], policy: str = "none", max_tokens
         free_blocks_before=free_before,
         free_blocks_after=pool.get_num_free_blocks(),
         max_blocks_held=max_held,
+        max_running=max_running[0],
+        num_preemptions=preemptions[0],
         stats=worker.stats if worker else None,
     )
-    del llm, core, pool, manager
+    del llm, core, pool, manager, scheduler
     gc.collect()
     return run
 

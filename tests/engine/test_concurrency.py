@@ -1,0 +1,41 @@
+"""Compression admits more streams: a pool for two uncompressed videos runs eight at once with cords."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.engine.conftest import BLOCK, VIDEO_PROMPT, run_engine, video
+
+pytestmark = pytest.mark.engine
+
+FRAMES = 64  # 2048 video tokens, 2063-token prompt
+
+
+def _pool_kwargs(tiny_model) -> dict:
+    import json
+    import pathlib
+
+    text = json.loads((pathlib.Path(tiny_model) / "config.json").read_text())["text_config"]
+    head = text["hidden_size"] // text["num_attention_heads"]
+    bytes_per_block = 2 * text["num_hidden_layers"] * text["num_key_value_heads"] * head * BLOCK * 4  # fp32
+    blocks_per_video = -(-(2063 + 4) // BLOCK)
+    # The encoder cache (sized by max_num_batched_tokens) holds 8 videos and each step may advance 8
+    # requests by one 256-token chunk each, so only KV blocks limit how many run at once.
+    return {"kv_cache_memory_bytes": (2 * blocks_per_video + 1) * bytes_per_block, "max_model_len": 4096,
+            "max_num_batched_tokens": 8 * 2048, "max_num_scheduled_tokens": 8 * 256,
+            "long_prefill_token_threshold": 256}
+
+
+def test_eight_videos_run_concurrently_under_cords_but_not_none(tiny_model):
+    prompts = [{"prompt": VIDEO_PROMPT, "multi_modal_data": {"video": video(FRAMES, seed=i)}} for i in range(8)]
+    kwargs = _pool_kwargs(tiny_model)
+    cords = run_engine(tiny_model, prompts, "cords", max_tokens=4, engine_kwargs=kwargs, budget=256, slack=64)
+    assert all(len(t) == 4 for t in cords.token_ids)
+    assert cords.max_running >= 6, cords.max_running
+    assert cords.num_preemptions == 0
+    assert cords.free_blocks_after == cords.free_blocks_before
+    none = run_engine(tiny_model, prompts, "none", max_tokens=4, engine_kwargs=kwargs)
+    assert all(len(t) == 4 for t in none.token_ids)
+    # uncompressed, at most two fit: the others wait, or are admitted and then preempted
+    assert none.max_running <= 2 or none.num_preemptions > 0, (none.max_running, none.num_preemptions)
+    assert none.free_blocks_after == none.free_blocks_before
