@@ -20,12 +20,13 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    from cords_vllm import cli_args
+    from cords_vllm import cli_args, observability
     from cords_vllm.engine import patches
     from cords_vllm.version_guard import check_vllm_version
 
     version = check_vllm_version()
     cli_args.install()
     patches.install()
+    observability.register_collector()
     _registered = True
     logger.debug("cords-vllm registered with vLLM %s", version)

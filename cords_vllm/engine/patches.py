@@ -32,22 +32,23 @@ class EngineSignatureError(RuntimeError):
     """A patched vLLM function does not have the signature the plugin was written against."""
 
 
-def _check_signature(owner: type, name: str, params: tuple[str, ...]) -> Callable:
+def _check_signature(owner: type, name: str, params: tuple[str, ...], keywords: tuple[str, ...] = ()) -> Callable:
     fn = getattr(owner, name)
     fn = getattr(fn, "__wrapped__", fn) if getattr(fn, _MARK, False) else fn
     got = tuple(inspect.signature(fn).parameters)
-    if got[: len(params)] != params:
+    if got[: len(params)] != params or not set(keywords) <= set(got):
         raise EngineSignatureError(
             f"cords-vllm: {owner.__module__}.{owner.__qualname__}.{name}{got} does not match the vLLM 0.32 "
-            f"signature {params} it patches; this vLLM build is not supported")
+            f"signature {params} (+ keywords {keywords}) it patches; this vLLM build is not supported")
     return fn
 
 
-def _wrap(owner: type, name: str, params: tuple[str, ...], make: Callable[[Callable], Callable]) -> None:
+def _wrap(owner: type, name: str, params: tuple[str, ...], make: Callable[[Callable], Callable],
+          keywords: tuple[str, ...] = ()) -> None:
     current = getattr(owner, name)
     if getattr(current, _MARK, False):
         return
-    original = _check_signature(owner, name, params)
+    original = _check_signature(owner, name, params, keywords)
     wrapper = functools.wraps(original)(make(original))
     setattr(wrapper, _MARK, True)
     setattr(owner, name, wrapper)
@@ -119,7 +120,8 @@ def _patch_admission() -> None:
                 manager.max_admission_blocks_per_request = saved
         return allocate_slots
 
-    _wrap(KVCacheManager, "allocate_slots", ("self", "request", "num_new_tokens"), make_allocate_slots)
+    _wrap(KVCacheManager, "allocate_slots", ("self", "request", "num_new_tokens"), make_allocate_slots,
+          keywords=("reserved_blocks",))
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from cords_vllm.engine.planner import (
     plan_compression,
 )
 from cords_vllm.engine.worker import PLANS_ATTR
+from cords_vllm.observability import CounterSink
 
 logger = logging.getLogger(__name__)
 
@@ -81,8 +82,7 @@ class SchedulerCompressor:
         self.spans: dict[str, VideoSpans] = {}
         self.pending: list[CompressionPlan] = []
         self.footprints: dict[str, int] = {}
-        self.compressions_total = 0
-        self.evicted_tokens_total = 0
+        self.sink = CounterSink("scheduler")
 
     def spans_of(self, request: Any) -> VideoSpans:
         spans = self.spans.get(request.request_id)
@@ -94,7 +94,9 @@ class SchedulerCompressor:
     def before_schedule(self, scheduler: Any) -> None:
         """Compress running prompts over budget; frees their evicted blocks now."""
         for req_id in [r for r in self.states if r not in scheduler.requests]:
-            self.states.pop(req_id)
+            state = self.states.pop(req_id)
+            logger.debug("cords-vllm: request %s done: %d compressions, %d video tokens evicted", req_id,
+                         state.compressions, state.evicted_tokens)
         for cache in (self.spans, self.footprints):
             for req_id in [r for r in cache if r not in scheduler.requests]:
                 cache.pop(req_id)
@@ -122,8 +124,8 @@ class SchedulerCompressor:
             new_state = apply_plan(state, plan)
             self.states[req_id] = new_state
             self.pending.append(plan)
-            self.compressions_total += 1
-            self.evicted_tokens_total += new_state.evicted_tokens - state.evicted_tokens
+            self.sink.add(compressions=1, evicted_tokens=new_state.evicted_tokens - state.evicted_tokens,
+                          kept_tokens=plan.num_keep_video)
             logger.debug("cords-vllm: plan %s at token %d: region %d blocks, %d blocks freed, %d video kept",
                          req_id, request.num_computed_tokens, plan.region_blocks, len(freed),
                          plan.num_keep_video)

@@ -33,6 +33,7 @@ from cords_vllm.config import KVPolicyConfig
 from cords_vllm.engine.kv_layout import KVLayout, slots_of
 from cords_vllm.engine.planner import CompressionPlan
 from cords_vllm.engine.region_selection import select_region
+from cords_vllm.observability import CounterSink
 from cords_vllm.selection import get_selector
 
 logger = logging.getLogger(__name__)
@@ -109,6 +110,7 @@ class WorkerCompressor:
         self.stats = WorkerStats()
         self.trace = os.environ.get(TRACE_ENV) == "1"
         self.events: list[CompressionEvent] = []
+        self.sink = CounterSink("worker")
         self._probe_layouts()
 
     def _cache(self, layer: int) -> torch.Tensor:
@@ -139,7 +141,10 @@ class WorkerCompressor:
         gone |= {r for r in self.held if r not in runner.requests}
         for req_id in gone:
             self.held.pop(req_id, None)
-            self.stats.per_request.pop(req_id, None)
+            per = self.stats.per_request.pop(req_id, None)
+            if per:
+                logger.debug("cords-vllm: request %s left the worker after %d compressions (%.1f ms selecting)",
+                             req_id, per["compressions"], 1e3 * per["selection_seconds"])
         for plan in getattr(scheduler_output, PLANS_ATTR, None) or ():
             if plan.req_id in gone or plan.req_id not in runner.requests:
                 continue
@@ -204,6 +209,7 @@ class WorkerCompressor:
         per = self.stats.per_request.setdefault(plan.req_id, {"compressions": 0, "selection_seconds": 0.0})
         per["compressions"] += 1
         per["selection_seconds"] += t1 - t0
+        self.sink.add(selection_seconds=t1 - t0)
         at = runner.requests[plan.req_id].num_computed_tokens
         logger.debug("cords-vllm: compressed %s at token %d: region %d blocks, kept %d of %d tokens (%d video), "
                      "selection %.1f ms, copy %.1f ms", plan.req_id, at, plan.region_blocks, plan.num_keep,

@@ -65,3 +65,29 @@ def test_conflicting_forms_are_rejected():
     with pytest.raises(KVPolicyConfigError, match="conflicts"):
         merge_into_additional_config({"kv_policy": "uniform"}, "cords", None)
     assert merge_into_additional_config({"x": 1}, "none", None) == {"x": 1}
+
+
+def test_engine_patches_refuse_a_foreign_signature():
+    from cords_vllm.engine.patches import EngineSignatureError, _check_signature
+
+    class Foreign:
+        def schedule(self, budget):  # not vLLM 0.32's Scheduler.schedule(self, throttle_prefills)
+            return budget
+
+    _check_signature(Foreign, "schedule", ("self",))
+    with pytest.raises(EngineSignatureError, match="Foreign.schedule"):
+        _check_signature(Foreign, "schedule", ("self", "throttle_prefills"))
+    with pytest.raises(EngineSignatureError, match="reserved_blocks"):
+        _check_signature(Foreign, "schedule", ("self",), keywords=("reserved_blocks",))
+
+
+def test_engine_patches_are_installed_once():
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from cords_vllm.engine import patches
+
+    patches.install()
+    first = Scheduler.schedule
+    patches.install()
+    assert Scheduler.schedule is first
+    assert getattr(first, "_cords_vllm_patch", False)
