@@ -105,14 +105,17 @@ def install(hide: Iterable[str] = ()) -> None:
 
 
 def probe_broken(modules: Iterable[str] = PROBED_MODULES) -> list[str]:
-    """Names among ``modules`` that are installed but fail to import (checked in fresh subprocesses)."""
+    """Names among ``modules`` that are installed but fail to import.
+
+    Each is checked in a fresh subprocess with the fixes disabled: in this process an already active fix
+    hides the very modules being probed.
+    """
     env = {**os.environ, DISABLE_ENV: "1"}
     broken = []
     for name in modules:
-        if importlib.util.find_spec(name) is None:
-            continue
-        proc = subprocess.run([sys.executable, "-c", f"import {name}"], env=env, capture_output=True,
-                              check=False)
+        script = (f"import importlib.util, sys\nif importlib.util.find_spec({name!r}) is None: sys.exit(0)\n"
+                  f"import {name}")
+        proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, check=False)
         if proc.returncode != 0:
             broken.append(name)
     return broken

@@ -1,93 +1,96 @@
-"""The main job in one command: serve a tiny local Qwen2-VL with a KV policy and answer video requests.
+"""The main job in one command: serve a tiny local Qwen2-VL with ``--kv-policy cords`` and answer videos.
 
-``python -m cords_vllm.demo`` (``make demo``) builds the tiny model (cached), starts
-``vllm serve <tiny> --kv-policy POLICY`` on 127.0.0.1, sends several concurrent chat requests that carry
-synthetic videos through the OpenAI client, prints each answer with its latency and token counts, and stops
-the server (by PID, checking that no process is left behind).
+``python -m cords_vllm.demo`` (``make demo``) builds the tiny model (cached), then for ``none`` and for
+``cords`` starts ``vllm serve <tiny> --kv-policy POLICY`` on 127.0.0.1 with the same small KV pool (room for
+``--pool-videos`` uncompressed videos), streams the same concurrent video requests through the OpenAI
+client, prints every answer of the ``cords`` server, and stops each server by PID (checking that no process
+is left). It ends with a table of KV blocks held, concurrency and throughput for ``none`` vs ``cords``,
+read from the servers' own ``/metrics``.
 
-The tiny model is randomly initialised: its answers are fluent-looking noise. The point is the serving
-path (video over HTTP, the KV policy in the engine), not what the model says.
+The tiny model is randomly initialised, so its answers are noise: the point is the serving path (video over
+HTTP, compression inside the engine, blocks returned to the pool), not what the model says.
 """
 
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import sys
 import time
-from dataclasses import dataclass
 
-from cords_vllm.testing import TinyModelSpec, build_tiny_qwen2vl, make_video, mp4_data_url
+from cords_vllm.bench.offline import EngineSettings, PolicyResult
+from cords_vllm.bench.report import format_table
+from cords_vllm.bench.workload import VideoWorkload
+from cords_vllm.testing import TinyModelSpec, build_tiny_qwen2vl
 from cords_vllm.testing.server import VLLMServer
 
-
-@dataclass
-class Answer:
-    index: int
-    text: str
-    seconds: float
-    prompt_tokens: int
-    completion_tokens: int
+TABLE = [("label", "policy", "{}"), ("peak_kv_blocks", "peak KV blocks", "{}"),
+         ("total_kv_blocks", "pool blocks", "{}"), ("peak_running", "peak running", "{}"),
+         ("preemptions", "preemptions", "{}"), ("compressions", "compressions", "{}"),
+         ("requests_per_s", "req/s", "{:.2f}"), ("ttft_p50_s", "TTFT p50 s", "{:.1f}"), ("wall_s", "wall s", "{:.1f}")]
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m cords_vllm.demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--policy", default="none", help="--kv-policy of the server (default: %(default)s)")
-    p.add_argument("--policy-config", default=None, help="--kv-policy-config JSON of the server")
-    p.add_argument("--requests", type=int, default=4, help="concurrent video requests (default: %(default)s)")
-    p.add_argument("--frames", type=int, default=16, help="frames per video (default: %(default)s)")
-    p.add_argument("--size", type=int, default=224, help="frame height and width (default: %(default)s)")
-    p.add_argument("--max-tokens", type=int, default=12, help="tokens per answer (default: %(default)s)")
+    p.add_argument("--requests", type=int, default=6, help="concurrent video requests (default: %(default)s)")
+    p.add_argument("--frames", type=int, default=64, help="frames per video (default: %(default)s)")
+    p.add_argument("--size", type=int, default=224, help="frame side in pixels (default: %(default)s)")
+    p.add_argument("--budget", type=int, default=512, help="cords budget in video tokens (default: %(default)s)")
+    p.add_argument("--pool-videos", type=float, default=2.0, help="KV pool size in uncompressed videos")
+    p.add_argument("--max-tokens", type=int, default=8, help="tokens per answer (default: %(default)s)")
+    p.add_argument("--policies", nargs="+", default=["none", "cords"], help="servers to run, in order")
     return p.parse_args(argv)
 
 
-def _ask(client, model: str, index: int, url: str, max_tokens: int) -> Answer:
-    t0 = time.perf_counter()
-    response = client.chat.completions.create(
-        model=model, temperature=0.0, max_tokens=max_tokens,
-        messages=[{"role": "user", "content": [
-            {"type": "video_url", "video_url": {"url": url}},
-            {"type": "text", "text": "What color was the square?"},
-        ]}],
-    )
-    return Answer(index=index, text=response.choices[0].message.content or "",
-                  seconds=time.perf_counter() - t0, prompt_tokens=response.usage.prompt_tokens,
-                  completion_tokens=response.usage.completion_tokens)
+def serve_args(model_dir, policy: str, workload: VideoWorkload, pool_videos: float, budget: int) -> list[str]:
+    """``vllm serve`` flags for the demo: fp32, eager, small blocks and chunks, a pool of ``pool_videos``."""
+    from transformers import AutoTokenizer
+
+    from cords_vllm.bench.workload import PROMPT, QUESTION
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    prompt_tokens = len(tok(PROMPT.format(question=QUESTION))["input_ids"]) - 1 + workload.video_tokens
+    kw = EngineSettings(block_size=32, chunk=256, step_tokens=2048, pool_videos=pool_videos).engine_kwargs(
+        model_dir, workload, prompt_tokens + 32)  # + chat template text
+    args = ["--kv-policy", policy, "--dtype", kw["dtype"], "--enforce-eager", "--block-size", str(kw["block_size"]),
+            "--kv-cache-memory-bytes", str(kw["kv_cache_memory_bytes"]), "--max-model-len", str(kw["max_model_len"]),
+            "--max-num-batched-tokens", str(kw["max_num_batched_tokens"]),
+            "--max-num-scheduled-tokens", str(kw["max_num_scheduled_tokens"]),
+            "--long-prefill-token-threshold", str(kw["long_prefill_token_threshold"]),
+            "--limit-mm-per-prompt", '{"image": 0, "video": 1}']
+    if policy != "none":
+        args += ["--kv-policy-config", f'{{"budget": {budget}}}']
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
-    from openai import OpenAI
+    from tqdm import tqdm
+
+    from cords_vllm.bench.http import run_http
 
     print("==> building the tiny Qwen2-VL (cached after the first run)", flush=True)
     model_dir = build_tiny_qwen2vl(TinyModelSpec())
-    videos = [make_video(args.frames, args.size, args.size, seed=i) for i in range(args.requests)]
-    urls = [mp4_data_url(v.frames, fps=2.0) for v in videos]
-    serve_args = ["--kv-policy", args.policy, "--enforce-eager", "--max-model-len", "16384",
-                  "--kv-cache-memory-bytes", str(512 << 20), "--limit-mm-per-prompt", '{"image": 0, "video": 1}']
-    if args.policy_config:
-        serve_args += ["--kv-policy-config", args.policy_config]
-    server = VLLMServer(model_dir, serve_args)
-    print(f"==> starting: vllm serve <tiny-qwen2vl> --kv-policy {args.policy} on {server.base_url}", flush=True)
-    t0 = time.perf_counter()
-    with server:
-        print(f"==> server healthy after {time.perf_counter() - t0:.0f}s; sending {args.requests} concurrent "
-              f"video requests ({args.frames} frames of {args.size}x{args.size} each)", flush=True)
-        client = OpenAI(base_url=server.base_url + "/v1", api_key="unused")
-        model = server.model_id()
-        t1 = time.perf_counter()
-        with concurrent.futures.ThreadPoolExecutor(max_workers=args.requests) as pool:
-            answers = list(pool.map(lambda iu: _ask(client, model, iu[0], iu[1], args.max_tokens),
-                                    enumerate(urls)))
-        wall = time.perf_counter() - t1
-    for a, v in zip(answers, videos, strict=True):
-        print(f"  request {a.index}: needle={v.needle_colour:<8} prompt={a.prompt_tokens:5d} tok  "
-              f"answer={a.text!r}  ({a.seconds:.1f}s)")
-    total_out = sum(a.completion_tokens for a in answers)
-    total_in = sum(a.prompt_tokens for a in answers)
-    print(f"==> {len(answers)} requests in {wall:.1f}s: {len(answers) / wall:.2f} req/s, "
-          f"{total_in / wall:.0f} prompt tok/s, {total_out / wall:.1f} output tok/s")
-    print("==> server stopped cleanly")
+    workload = VideoWorkload(num_requests=args.requests, frames=args.frames, size=args.size,
+                             max_tokens=args.max_tokens)
+    print(f"==> workload: {args.requests} concurrent requests, each a {args.frames}-frame video "
+          f"({workload.video_tokens} video tokens) and a question; KV pool: {args.pool_videos:g} uncompressed "
+          f"videos", flush=True)
+    results: list[PolicyResult] = []
+    for policy in args.policies:
+        server = VLLMServer(model_dir, serve_args(model_dir, policy, workload, args.pool_videos, args.budget))
+        t0 = time.perf_counter()
+        print(f"==> vllm serve <tiny-qwen2vl> --kv-policy {policy} on {server.base_url} ...", flush=True)
+        with server:
+            print(f"    healthy after {time.perf_counter() - t0:.0f}s", flush=True)
+            with tqdm(total=args.requests, desc=f"    {policy}", unit="req") as bar:
+                results.append(run_http(server.base_url, policy, workload, on_progress=bar.update))
+        print(f"    server stopped (pid {server.proc.pid}, exit {server.proc.returncode})", flush=True)
+    last = results[-1]
+    print(f"\n==> answers of the {last.label} server:")
+    for req_id in sorted(last.answers, key=lambda r: int(r.split("-")[1])):
+        print(f"    {req_id}: {last.answers[req_id]!r}")
+    print()
+    print(format_table([r.summary() for r in results], TABLE))
     return 0
 
 

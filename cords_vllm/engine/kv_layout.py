@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def probe_cpu_tile_layout(isa: str, dtype: torch.dtype, block_size: int, head_size: int
                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Flat offsets of (token, dim) inside one CPU K tile and one V tile.
@@ -83,7 +83,7 @@ class KVLayout:
         """Infer the layout from a layer's cache tensor and attention module."""
         isa = getattr(layer, "isa", None)
         if isa is not None:
-            num_blocks, heads, bs, two_d = kv_cache.shape
+            _, heads, bs, two_d = kv_cache.shape
             return cls("cpu", bs, heads, two_d // 2, isa)
         if kv_cache.dim() == 5 and kv_cache.shape[0] == 2:
             _, _, bs, heads, d = kv_cache.shape

@@ -86,7 +86,7 @@ def run_engine(model: str, prompts: list[dict], policy: str = "none", max_tokens
         num_preemptions=preemptions[0],
         stats=worker.stats if worker else None,
     )
-    del llm, core, pool, manager, scheduler
+    del llm, core  # the closure above keeps the scheduler; dropped with this frame
     gc.collect()
     return run
 

@@ -107,3 +107,11 @@ def test_forced_preemption_after_compression_recomputes_exactly(tiny_model):
     assert runner._cords_worker.held == {}
     del llm
     gc.collect()
+
+
+def test_bf16_engine_compresses_with_the_packed_layout(tiny_model):
+    frames = video(48)
+    run = run_engine(tiny_model, [{"prompt": VIDEO_PROMPT, "multi_modal_data": {"video": frames}}], "cords",
+                     max_tokens=4, engine_kwargs={"dtype": "bfloat16"}, budget=BUDGET, slack=SLACK)
+    assert len(run.events) >= 2 and len(run.token_ids[0]) == 4
+    assert run.free_blocks_after == run.free_blocks_before

@@ -75,7 +75,7 @@ def test_engine_patches_refuse_a_foreign_signature():
             return budget
 
     _check_signature(Foreign, "schedule", ("self",))
-    with pytest.raises(EngineSignatureError, match="Foreign.schedule"):
+    with pytest.raises(EngineSignatureError, match=r"Foreign\.schedule"):
         _check_signature(Foreign, "schedule", ("self", "throttle_prefills"))
     with pytest.raises(EngineSignatureError, match="reserved_blocks"):
         _check_signature(Foreign, "schedule", ("self",), keywords=("reserved_blocks",))

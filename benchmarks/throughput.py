@@ -1,0 +1,109 @@
+"""Throughput of every KV policy on one long-video workload, measured in one run.
+
+Offline (default): each policy runs the same requests through a fresh in-process vLLM engine whose KV pool
+holds ``--pool-videos`` uncompressed videos. HTTP: the workload is sent to a running ``vllm serve`` (start
+it yourself with the policy you want to measure) and the server's own ``/metrics`` are read.
+
+    python benchmarks/throughput.py --requests 16 --frames 128 --size 448 --budget 2048
+    python benchmarks/throughput.py --mode http --url http://127.0.0.1:8000 --label cords
+
+Prints one table per run, the ratios against ``none``, and writes ``results.json`` plus PNG plots to
+``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from cords_vllm.bench.report import RATIO_COLUMNS, format_table, plot_results, ratios, write_json
+from cords_vllm.bench.workload import PolicySpec, VideoWorkload
+
+
+def _default_policies() -> list[str]:
+    from cords_vllm.selection import available_selectors
+
+    return ["none", *available_selectors(), "cords:anchors=0+2"]
+
+
+def _machine() -> str:
+    with open("/proc/cpuinfo") as cpuinfo:
+        model = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")),
+                     platform.processor())
+    return f"{model}, {len(os.sched_getaffinity(0))} cores, Python {platform.python_version()}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--mode", choices=["offline", "http"], default="offline")
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="server for --mode http")
+    p.add_argument("--label", default="server", help="name of the server's policy in --mode http")
+    p.add_argument("--policies", nargs="+", default=None,
+                   help="policies to compare (offline), e.g. none cords uniform 'cords:anchors=0+2,alpha=0.5'; "
+                        "default: none, every registered policy and a two-anchor cords")
+    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--frames", type=int, default=128)
+    p.add_argument("--size", type=int, default=448, help="frame side in pixels (multiple of 28)")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--rate", type=float, default=None, help="Poisson arrivals per second (default: all at once)")
+    p.add_argument("--budget", type=int, default=2048)
+    p.add_argument("--pool-videos", type=float, default=2.0, help="KV pool size in uncompressed videos")
+    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--chunk", type=int, default=512, help="prefill tokens per request per step")
+    p.add_argument("--step-tokens", type=int, default=4096, help="tokens per engine step")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/out/throughput"))
+    p.add_argument("--no-plots", action="store_true")
+    args = p.parse_args(argv)
+
+    from tqdm import tqdm
+
+    workload = VideoWorkload(num_requests=args.requests, frames=args.frames, size=args.size,
+                             max_tokens=args.max_tokens, rate=args.rate)
+    print(f"workload: {args.requests} requests x {workload.video_tokens} video tokens "
+          f"({args.frames} frames of {args.size}x{args.size}), arrivals: "
+          f"{f'Poisson {args.rate:.2f}/s' if args.rate else 'all at once'}; machine: {_machine()}", flush=True)
+    results = []
+    if args.mode == "http":
+        from cords_vllm.bench.http import run_http
+
+        with tqdm(total=args.requests, desc=args.label, unit="req") as bar:
+            results.append(run_http(args.url, args.label, workload, on_progress=bar.update))
+    else:
+        from cords_vllm.bench.offline import EngineSettings, run_offline
+        from cords_vllm.testing import TinyModelSpec, build_tiny_qwen2vl
+
+        max_pixels = max(224 * 224, args.size * args.size)
+        model = build_tiny_qwen2vl(TinyModelSpec(max_pixels=max_pixels))
+        settings = EngineSettings(block_size=args.block_size, chunk=args.chunk, step_tokens=args.step_tokens,
+                                  pool_videos=args.pool_videos)
+        defaults = {"budget": args.budget}
+        specs = [PolicySpec.parse(text, defaults) for text in (args.policies or _default_policies())]
+        for spec in specs:
+            with tqdm(total=args.requests, desc=f"{spec.label:>20}", unit="req") as bar:
+                results.append(run_offline(model, spec, workload, settings, on_progress=bar.update))
+    rows = [r.summary() for r in results]
+    print()
+    print(format_table(rows))
+    ratio_rows = ratios(rows)
+    if ratio_rows:
+        print("\nagainst none (same requests, same run):")
+        print(format_table(ratio_rows, RATIO_COLUMNS))
+    payload = {"machine": _machine(), "argv": sys.argv[1:], "workload": vars(workload) | {
+        "video_tokens": workload.video_tokens}, "results": [r.to_json() for r in results], "ratios": ratio_rows}
+    write_json(args.out / "results.json", payload)
+    print(f"\nwrote {args.out / 'results.json'}")
+    if not args.no_plots:
+        for path in plot_results(results, args.out):
+            print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
