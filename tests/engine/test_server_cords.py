@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import re
+import subprocess
 
 import pytest
 
 from cords_vllm.testing import make_video, mp4_data_url
-from cords_vllm.testing.server import VLLMServer
+from cords_vllm.testing.server import VLLMServer, server_env, vllm_executable
 
 pytestmark = pytest.mark.server
 
@@ -49,3 +50,21 @@ def test_serve_cords_answers_concurrent_videos_and_exports_counters(tiny_model):
         assert _counter(metrics, "cords_vllm_evicted_tokens_total") > 0
         assert _counter(metrics, "cords_vllm_kept_tokens_total") > 0
         assert _counter(metrics, "cords_vllm_selection_seconds_total") > 0
+
+        # the README's `vllm bench serve` command (random videos, OpenAI chat API) runs against it
+        before = _counter(metrics, "cords_vllm_compressions_total")
+        bench = subprocess.run(bench_serve_command(server.base_url, model, tiny_model, num_prompts=3),
+                               env=server_env(), capture_output=True, text=True, timeout=600, check=False)
+        assert bench.returncode == 0, bench.stdout[-2000:] + bench.stderr[-2000:]
+        assert "Successful requests:                     3" in bench.stdout
+        assert _counter(server.get("/metrics")[1], "cords_vllm_compressions_total") > before
+
+
+def bench_serve_command(base_url: str, model: str, tokenizer: str, num_prompts: int) -> list[str]:
+    """``vllm bench serve`` with random 512-frame videos (the README documents the same command)."""
+    return [vllm_executable(), "bench", "serve", "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
+            "--base-url", base_url, "--model", model, "--tokenizer", tokenizer, "--dataset-name", "random-mm",
+            "--random-mm-bucket-config", "{(224, 224, 512): 1.0}", "--random-mm-base-items-per-request", "1",
+            "--random-mm-limit-mm-per-prompt", '{"image": 0, "video": 1}', "--random-mm-num-mm-items-range-ratio",
+            "0", "--num-prompts", str(num_prompts), "--random-input-len", "16", "--random-output-len", "8",
+            "--ignore-eos", "--seed", "0"]
