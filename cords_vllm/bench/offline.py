@@ -99,8 +99,9 @@ class EngineSettings:
     def engine_kwargs(self, model_dir: str | Path, workload: VideoWorkload, prompt_tokens: int) -> dict[str, Any]:
         dtype_bytes = 4 if self.dtype == "float32" else 2
         per_video = -(-(prompt_tokens + workload.max_tokens) // self.block_size)
-        blocks = int(self.pool_videos * per_video) + 1
-        max_len = -(-(prompt_tokens + workload.max_tokens + 64) // 1024) * 1024
+        max_len = per_video * self.block_size
+        # vLLM's start-up check needs one max_model_len request to fit in the pool
+        blocks = max(int(self.pool_videos * per_video), per_video) + 1
         return {
             "dtype": self.dtype, "block_size": self.block_size,
             "kv_cache_memory_bytes": blocks * kv_bytes_per_block(model_dir, self.block_size, dtype_bytes),

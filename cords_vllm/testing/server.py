@@ -51,6 +51,7 @@ def server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """Environment for a CPU ``vllm serve``: offline hub, no usage stats, threads on all allowed cores."""
     env = dict(os.environ)
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # a server runs its engine core in its own process
+    env.pop("CORDS_VLLM_METRICS_DIR", None)  # a server's processes share their own, fresh metrics directory
     env.update({
         "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
     })
