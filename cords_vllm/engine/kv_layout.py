@@ -9,8 +9,10 @@ slots as plain ``[T, H, D]`` tensors; :meth:`KVLayout.write` stores ``[T, H, D]`
   ``vec16``...). Rather than hard-coding those, :func:`probe_cpu_tile_layout` writes token/dim index patterns
   through the backend's own ``cpu_attn_reshape_and_cache`` op once per (isa, dtype, block size, head size) and
   reads back the permutation. Writes always go through that same op, so they are exact by construction.
-* **CUDA / FlashAttention**: the cache is ``[2, num_blocks, bs, H, D]`` (keys, values) in plain layout;
-  slots are indexed directly. (Not exercised on this project's CPU CI.)
+* **CUDA / FlashAttention**: the cache is ``[num_blocks, H, bs, 2*D]`` (possibly strided) with each token's
+  key and value side by side, read by the backend as ``kv_cache.transpose(1, 2).split(D, -1)``; tokens are
+  indexed directly on that logical view. (The CPU CI checks this against the backend's view expression; it
+  has not run on a GPU in this project's CI.)
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ def slots_of(blocks: torch.Tensor | list[int] | tuple[int, ...], block_size: int
 class KVLayout:
     """How to address tokens in one layer's cache tensor.
 
-    ``backend``: ``"cpu"`` (packed tiles, ``isa`` required) or ``"flash"`` (plain ``[2, N, bs, H, D]``).
+    ``backend``: ``"cpu"`` (packed tiles, ``isa`` required) or ``"flash"`` (``[N, H, bs, 2*D]``, K then V).
     """
 
     backend: str
@@ -85,9 +87,10 @@ class KVLayout:
         if isa is not None:
             _, heads, bs, two_d = kv_cache.shape
             return cls("cpu", bs, heads, two_d // 2, isa)
-        if kv_cache.dim() == 5 and kv_cache.shape[0] == 2:
-            _, _, bs, heads, d = kv_cache.shape
-            return cls("flash", bs, heads, d)
+        head_size = getattr(layer, "head_size", None)
+        if kv_cache.dim() == 4 and head_size is not None and kv_cache.shape[-1] == 2 * head_size:
+            _, heads, bs, _ = kv_cache.shape
+            return cls("flash", bs, heads, head_size)
         raise NotImplementedError(
             f"cords-vllm cannot address this KV cache layout (shape {tuple(kv_cache.shape)}, "
             f"layer {type(layer).__name__}); supported: vLLM's CPU attention and FlashAttention")
@@ -96,8 +99,9 @@ class KVLayout:
         """Keys and values of ``slots``: two ``[T, H, D]`` tensors (copies, cache dtype)."""
         slots = slots.to(kv_cache.device)
         if self.backend == "flash":
-            flat = kv_cache.view(2, -1, self.num_kv_heads, self.head_size)
-            return flat[0, slots], flat[1, slots]
+            block, offset = slots // self.block_size, slots % self.block_size
+            tokens = kv_cache[block, :, offset]  # [T, H, 2*D]
+            return tokens[..., : self.head_size], tokens[..., self.head_size:]
         k_perm, v_perm = probe_cpu_tile_layout(self.isa, kv_cache.dtype, self.block_size, self.head_size)
         h, bs, d = self.num_kv_heads, self.block_size, self.head_size
         if not kv_cache.is_contiguous():
@@ -114,9 +118,8 @@ class KVLayout:
         """Store ``[T, H, D]`` keys/values at ``slots``."""
         slots = slots.to(kv_cache.device)
         if self.backend == "flash":
-            flat = kv_cache.view(2, -1, self.num_kv_heads, self.head_size)
-            flat[0, slots] = keys.to(kv_cache.dtype)
-            flat[1, slots] = values.to(kv_cache.dtype)
+            block, offset = slots // self.block_size, slots % self.block_size
+            kv_cache[block, :, offset] = torch.cat([keys, values], dim=-1).to(kv_cache.dtype)
             return
         from vllm import _custom_ops as ops
 

@@ -43,3 +43,24 @@ def test_layouts_really_differ_between_isas():
 def test_slots_of():
     assert slots_of([3, 1], 4).tolist() == [12, 13, 14, 15, 4, 5, 6, 7]
     assert slots_of([3, 1], 4, 5).tolist() == [12, 13, 14, 15, 4]
+
+
+@pytest.mark.parametrize("strided", [False, True])
+def test_flash_layout_matches_the_backends_own_view(strided):
+    """FlashAttention (vLLM 0.32) reads ``kv_cache.transpose(1, 2).split(D, -1)``; no GPU needed to check it."""
+    blocks, heads, bs, d = 5, 2, 16, 32
+    if strided:  # the physical order may differ from the logical [N, H, bs, 2D] (kv cache stride order)
+        cache = torch.zeros(blocks, bs, heads, 2 * d).permute(0, 2, 1, 3)
+    else:
+        cache = torch.zeros(blocks, heads, bs, 2 * d)
+    layer = type("FlashLayer", (), {"head_size": d})()
+    layout = KVLayout.for_layer(cache, layer)
+    assert layout.backend == "flash"
+    slots = torch.tensor([3, 17, 40, 79])
+    keys, values = torch.randn(4, heads, d), torch.randn(4, heads, d)
+    layout.write(cache, slots, keys, values)
+    key_cache, value_cache = cache.transpose(1, 2).split(d, dim=-1)  # [N, bs, H, D], as the backend reads it
+    assert torch.equal(key_cache[slots // bs, slots % bs], keys)
+    assert torch.equal(value_cache[slots // bs, slots % bs], values)
+    got_k, got_v = layout.read(cache, slots)
+    assert torch.equal(got_k, keys) and torch.equal(got_v, values)
