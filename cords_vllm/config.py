@@ -104,6 +104,10 @@ class KVPolicyConfig:
             return cls()
         engine = {k: v for k, v in raw.items() if k in ENGINE_KEYS}
         params = {k: v for k, v in raw.items() if k not in ENGINE_KEYS}
+        if "lambda" in params:  # the paper's name; a Python keyword, so the selector field is `lam`
+            if "lam" in params:
+                raise KVPolicyConfigError("kv_policy_config: give 'lam' or its alias 'lambda', not both")
+            params["lam"] = params.pop("lambda")
         _check_selector_params(policy, params)
 
         budget = _int(engine, "budget", 2048, minimum=1)

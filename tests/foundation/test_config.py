@@ -79,3 +79,9 @@ def test_kv_policy_args_is_the_additional_config_form():
     assert KVPolicyConfig.from_additional_config(kwargs["additional_config"]).budget == 256
     with pytest.raises(KVPolicyConfigError):
         kv_policy_args("uniform", nope=1)
+
+
+def test_lambda_is_an_alias_of_lam():
+    assert KVPolicyConfig.parse("cords", {"lambda": 0.5}).params == {"lam": 0.5}
+    with pytest.raises(KVPolicyConfigError, match="not both"):
+        KVPolicyConfig.parse("cords", {"lambda": 0.5, "lam": 0.5})
