@@ -1,0 +1,119 @@
+"""Accuracy of every KV policy on the shipped video-QA model, through the real vLLM engine.
+
+    python benchmarks/accuracy.py --per-family 32                  # training-length videos (64 frames)
+    python benchmarks/accuracy.py --per-family 32 --frames 128     # longer than any training video
+
+Reports accuracy per policy and budget (1/2, 1/4, 1/8, 1/16 of the video's tokens, plus full KV), per
+question family and needle position, the effective budget each cell really held, the two sanity controls
+(needles blanked -> chance; needle oracle -> full KV), and the coverage CDF of cords vs infinipot_v vs
+uniform on the model's real keys/values. Writes results.json and PNG plots to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from cords_vllm.selection import available_selectors
+    from cords_vllm.vqa import FAMILIES, VideoGeometry, get_family, make_split, shipped_checkpoint
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint", default=None, help="default: the shipped trained model")
+    p.add_argument("--families", nargs="+", default=[getattr(f, "name", f) for f in FAMILIES])
+    p.add_argument("--per-family", type=int, default=32)
+    p.add_argument("--frames", type=int, default=64, help="video length (training used 64)")
+    p.add_argument("--policies", nargs="+", default=available_selectors())
+    p.add_argument("--fractions", nargs="+", type=float, default=[1 / 2, 1 / 4, 1 / 8, 1 / 16])
+    p.add_argument("--chunk", type=int, default=64, help="prefill tokens per request per step")
+    p.add_argument("--batch", type=int, default=16, help="requests prefilled together")
+    p.add_argument("--no-controls", action="store_true")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/out/accuracy"))
+    args = p.parse_args(argv)
+
+    from tqdm import tqdm
+
+    from cords_vllm.bench.accuracy import (
+        EngineShape,
+        blank_needles,
+        coverage_on_model,
+        evaluate,
+        oracle_predictions,
+        plot_accuracy,
+        run_policy,
+    )
+    from cords_vllm.metrics.coverage import max_cdf_gap
+    from cords_vllm.metrics.plot import plot_coverage_cdfs
+    from cords_vllm.vqa import accuracy_report, format_report
+
+    checkpoint = Path(args.checkpoint) if args.checkpoint else shipped_checkpoint()
+    geometry = VideoGeometry(num_frames=args.frames)
+    examples = make_split(args.families, args.per_family, "heldout", geometry=geometry)
+    shape = EngineShape(chunk=args.chunk, batch=args.batch)
+    print(f"{len(examples)} held-out examples ({', '.join(args.families)}), {args.frames} frames = "
+          f"{geometry.num_video_tokens} video tokens each; checkpoint {checkpoint.name}", flush=True)
+    cells = 1 + len(args.fractions) * len(args.policies)
+    with tqdm(total=cells, desc="policy x budget", unit="cell") as bar:
+        def report(run):
+            bar.update(1)
+            bar.set_postfix_str(f"{run.policy} {run.fraction} -> {run.report['overall']:.3f}")
+        runs = evaluate(checkpoint, examples, args.policies, args.fractions, shape, on_cell=report)
+
+    full = runs[0]
+    print(f"\nfull KV: {format_report(full.report)}")
+    header = "| policy | " + " | ".join(f"1/{round(1 / f)} (held)" for f in args.fractions) + " |"
+    print("\n" + header + "\n|" + "---|" * (len(args.fractions) + 1))
+    for policy in args.policies:
+        cells_row = []
+        for f in args.fractions:
+            run = next(r for r in runs if r.policy == policy and r.fraction == f)
+            cells_row.append(f"{100 * run.report['overall']:.1f}% ({run.effective_video_tokens:.0f})")
+        print(f"| {policy} | " + " | ".join(cells_row) + " |")
+    print(f"| full KV | {100 * full.report['overall']:.1f}% ({full.effective_video_tokens:.0f}) |")
+    for policy in ("cords", "recency", "uniform"):
+        for run in runs:
+            if run.policy == policy and run.fraction == min(args.fractions, key=lambda x: abs(x - 1 / 8)):
+                print(f"\n{policy} at 1/{round(1 / run.fraction)}: {format_report(run.report)}")
+
+    payload = {"argv": sys.argv[1:], "examples": len(examples), "frames": args.frames,
+               "runs": [r.to_json() for r in runs]}
+    if not args.no_controls:
+        # `static` questions are about the whole video (their "needle" is every frame): nothing to blank
+        blanked = [blank_needles(e) for e in examples if e.needles and e.family != "static"]
+        predictions, _ = run_policy(checkpoint, blanked, "none", None, shape)
+        blank = accuracy_report(blanked, predictions)
+        chance = {e.family: round(1 / len(get_family(e.family).answers()), 3) for e in blanked}
+        with_needle = [e for e in examples if e.needles and e.family != "static"]
+        oracle = accuracy_report(with_needle, oracle_predictions(checkpoint, with_needle))
+        full_same = accuracy_report(with_needle, run_policy(checkpoint, with_needle, "none", None, shape)[0])
+        print(f"\ncontrol, needles blanked (full KV; chance per family {chance}): {format_report(blank)}")
+        print(f"control, oracle keeping only the needle's video tokens (HF reference): {format_report(oracle)}")
+        print(f"         full KV on the same examples: {format_report(full_same)}")
+        payload["controls"] = {"blanked": blank, "chance": chance, "oracle": oracle, "full_same_examples": full_same}
+
+    fraction = min(args.fractions, key=lambda x: abs(x - 1 / 8))
+    curves = coverage_on_model(checkpoint, examples[: min(16, len(examples))], fraction)
+    gaps = {space: max_cdf_gap(curves["cords"][space], curves["infinipot_v"][space]) for space in curves["cords"]}
+    print(f"\ncoverage at 1/{round(1 / fraction)} (layer 0, real keys/values): max CDF gap cords - infinipot_v "
+          + ", ".join(f"{s}: {g[0]:+.3f} at d={g[1]:.3f}" for s, g in gaps.items()))
+    payload["coverage_max_gap_vs_infinipot_v"] = gaps
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps(payload, indent=2, default=float) + "\n")
+    paths = plot_accuracy(runs, args.out)
+    paths.append(plot_coverage_cdfs(curves, args.out / "coverage_cdf.png", reference=("cords", "infinipot_v"),
+                                    title=f"Coverage on the trained model's keys/values (budget 1/{round(1 / fraction)})"))
+    for path in [args.out / "results.json", *paths]:
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

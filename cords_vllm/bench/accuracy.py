@@ -1,0 +1,242 @@
+"""Accuracy of KV policies on the trained video-QA model, through the real vLLM engine.
+
+For each policy and budget, held-out questions (:mod:`cords_vllm.vqa`) are answered by an in-process engine
+that prefills in small chunks, so the video is compressed repeatedly while it streams in, exactly as in
+serving. The measured effective budget (video tokens the request actually holds when the question is read)
+is reported next to the nominal one: kept tokens are rounded up to whole KV blocks and the last chunk's
+tokens are recent by construction.
+
+Sanity controls, printed with the results: the needle frames blanked (accuracy must fall to chance), and an
+oracle that keeps exactly the needle's tokens (must match the full cache). The oracle needs per-request
+knowledge no ``--kv-policy`` selector has, so it runs in the HF reference
+(:mod:`cords_vllm.testing.hf_reference`), which the tests prove equal to the engine for the same evictions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from cords_vllm.config import kv_policy_args
+from cords_vllm.vqa import VQAExample, accuracy_report
+
+
+@dataclass
+class AccuracyRun:
+    """One (policy, budget) cell: the accuracy report and the budget the requests really held."""
+
+    policy: str
+    fraction: float | None
+    budget: int | None
+    report: dict[str, Any]
+    effective_video_tokens: float
+    seconds: float
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class EngineShape:
+    """How requests stream through the engine: KV block size, prefill chunk per request, batch."""
+
+    block_size: int = 32
+    chunk: int = 64
+    batch: int = 16
+    dtype: str = "float32"
+
+
+def engine_args(checkpoint: str | Path, examples: Sequence[VQAExample], shape: EngineShape) -> dict[str, Any]:
+    from cords_vllm.vqa.serving import engine_kwargs
+
+    geometry = examples[0].geometry
+    kw = engine_kwargs(checkpoint, geometry, dtype=shape.dtype)
+    kw.update(block_size=shape.block_size, max_num_seqs=shape.batch,
+              max_num_batched_tokens=shape.batch * (geometry.num_video_tokens + 64),
+              max_num_scheduled_tokens=shape.batch * shape.chunk, long_prefill_token_threshold=shape.chunk)
+    return kw
+
+
+def run_policy(checkpoint: str | Path, examples: Sequence[VQAExample], policy: str, budget: int | None,
+               shape: EngineShape) -> tuple[list[str], float]:
+    """Greedy one-token answers under ``policy`` and the mean video tokens held when answering."""
+    from vllm import SamplingParams
+
+    from cords_vllm.engine.planner import RequestCompressionState, held_video_tokens
+    from cords_vllm.testing.engine import engine_core, make_llm
+
+    kwargs = engine_args(checkpoint, examples, shape)
+    model = kwargs.pop("model")
+    if policy != "none":
+        kwargs.update(kv_policy_args(policy, budget=budget, slack=0))
+    llm = make_llm(model, **kwargs)
+    scheduler = engine_core(llm).scheduler
+    held_at_answer: list[int] = []
+    original = scheduler.schedule
+
+    def schedule(*args, **kw):
+        out = original(*args, **kw)
+        comp = scheduler.__dict__.get("_cords_compressor")
+        for request in scheduler.running:
+            if request.num_computed_tokens == request.num_prompt_tokens and request.request_id in \
+                    out.num_scheduled_tokens and request.num_output_tokens == 0:
+                if comp is None:
+                    from cords_vllm.engine.scheduler import video_spans
+
+                    held_at_answer.append(video_spans(request).total)
+                else:
+                    state = comp.states.get(request.request_id, RequestCompressionState())
+                    held_at_answer.append(held_video_tokens(state, comp.spans_of(request), request.num_prompt_tokens,
+                                                            comp.block_size))
+        return out
+
+    scheduler.schedule = schedule
+    outputs = llm.generate([e.vllm_request() for e in examples], SamplingParams(temperature=0.0, max_tokens=1),
+                           use_tqdm=False)
+    del llm, scheduler
+    gc.collect()
+    return [o.outputs[0].text for o in outputs], float(np.mean(held_at_answer)) if held_at_answer else float("nan")
+
+
+def blank_needles(example: VQAExample) -> VQAExample:
+    """The example with every needle frame replaced by the nearest earlier (else later) clean frame."""
+    frames = np.array(example.frames)
+    needle = set(example.needle_frames)
+    clean = [f for f in range(len(frames)) if f not in needle]
+    if not clean:
+        raise ValueError(f"{example.family} example {example.index}: every frame shows the needle")
+    for f in needle:
+        earlier = [c for c in clean if c < f]
+        frames[f] = frames[earlier[-1] if earlier else min(c for c in clean if c > f)]
+    frames.setflags(write=False)
+    return dataclasses.replace(example, frames=frames)
+
+
+def oracle_predictions(checkpoint: str | Path, examples: Sequence[VQAExample]) -> list[str]:
+    """HF reference answers when, after the video, the cache keeps exactly the needle's video tokens."""
+    from cords_vllm.testing.hf_reference import HFQwen2VLReference
+
+    ref = HFQwen2VLReference(str(checkpoint))
+    tok = ref.processor.tokenizer
+    video_id = ref.config.video_token_id
+    num_layers = ref.config.text_config.num_hidden_layers
+    answers = []
+    for ex in examples:
+        ids, _, _, _ = ref.encode(ex.prompt, np.array(ex.frames))
+        video = torch.nonzero(ids == video_id).flatten()
+        start, end = int(video[0]), int(video[-1]) + 1
+        needles = torch.tensor(ex.needle_token_indices(), dtype=torch.long) + start
+        keep = torch.cat([torch.arange(start), needles])
+        result = ref.run(ex.prompt, np.array(ex.frames), max_new_tokens=1, chunk_sizes=[end, len(ids) - end],
+                         evictions={end: [keep] * num_layers})
+        answers.append(tok.decode([result.token_ids[0]]))
+    return answers
+
+
+def coverage_on_model(checkpoint: str | Path, examples: Sequence[VQAExample], fraction: float,
+                      policies: Sequence[str] = ("cords", "infinipot_v", "uniform"), layer: int = 0
+                      ) -> dict[str, Any]:
+    """Coverage CDFs (joint, K-only, V-only) of each policy on the model's real video keys/values."""
+    from cords_vllm.metrics.coverage import coverage_curves
+    from cords_vllm.selection import get_selector
+    from cords_vllm.testing.hf_reference import HFQwen2VLReference
+
+    ref = HFQwen2VLReference(str(checkpoint))
+    per_frame = examples[0].geometry.tokens_per_patch
+    keys, values = [], []
+    for ex in examples:
+        ids, emb, pos, _ = ref.encode(ex.prompt, np.array(ex.frames))
+        video = torch.nonzero(ids == ref.config.video_token_id).flatten()
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=ref.config.text_config)
+        with torch.no_grad():
+            ref.model.model.language_model(inputs_embeds=emb, position_ids=pos[:, None], past_key_values=cache,
+                                           use_cache=True)
+        entry = cache.layers[layer]
+        keys.append(entry.keys[0][:, video])
+        values.append(entry.values[0][:, video])
+    k, v = torch.stack(keys), torch.stack(values)  # [B, H, N, D]
+    budget = int(fraction * k.shape[2])
+    curves = {}
+    for name in policies:
+        keep = get_selector(name).select(k, v, budget, group_size=per_frame).keep
+        curves[name] = coverage_curves(k, v, keep)
+    return curves
+
+
+def plot_accuracy(runs: Sequence[AccuracyRun], out: Path) -> list[Path]:
+    """Accuracy vs budget per policy, and per-family grouped bars at each budget."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    full = next((r for r in runs if r.policy == "none" and r.fraction is None), None)
+    policies = list(dict.fromkeys(r.policy for r in runs if r.fraction is not None))
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for policy in policies:
+        cells = sorted((r for r in runs if r.policy == policy and r.fraction is not None), key=lambda r: r.fraction)
+        ax.plot([r.fraction for r in cells], [100 * r.report["overall"] for r in cells], marker="o", label=policy)
+    if full:
+        ax.axhline(100 * full.report["overall"], color="black", linestyle="--", label="full KV")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("budget (fraction of the video's tokens)")
+    ax.set_ylabel("accuracy (%)")
+    ax.set_title("Held-out accuracy vs KV budget")
+    ax.legend()
+    fig.tight_layout()
+    paths.append(out / "accuracy_vs_budget.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    fractions = sorted({r.fraction for r in runs if r.fraction is not None}, reverse=True)
+    families = list(runs[0].report["families"])
+    fig, axes = plt.subplots(1, len(fractions), figsize=(4.5 * len(fractions), 4.5), sharey=True, squeeze=False)
+    width = 0.8 / max(len(policies), 1)
+    for ax, fraction in zip(axes[0], fractions, strict=True):
+        for i, policy in enumerate(policies):
+            cell = next((r for r in runs if r.policy == policy and r.fraction == fraction), None)
+            if cell is None:
+                continue
+            accs = [100 * (cell.report["families"][f]["accuracy"] or 0) for f in families]
+            ax.bar(np.arange(len(families)) + i * width, accs, width, label=policy)
+        ax.set_xticks(np.arange(len(families)) + width * (len(policies) - 1) / 2, families)
+        ax.set_title(f"budget 1/{round(1 / fraction)}")
+    axes[0][0].set_ylabel("accuracy (%)")
+    axes[0][-1].legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(out / "accuracy_by_family.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    return paths
+
+
+def evaluate(checkpoint: str | Path, examples: Sequence[VQAExample], policies: Sequence[str],
+             fractions: Sequence[float], shape: EngineShape,
+             on_cell: Callable[[AccuracyRun], None] | None = None) -> list[AccuracyRun]:
+    """Full KV once, then every (policy, fraction) cell."""
+    video_tokens = examples[0].geometry.num_video_tokens
+    cells: list[tuple[str, float | None]] = [("none", None)]
+    cells += [(p, f) for f in fractions for p in policies if p != "none"]
+    runs = []
+    for policy, fraction in cells:
+        budget = None if fraction is None else max(shape.block_size, int(round(fraction * video_tokens)))
+        t0 = time.perf_counter()
+        predictions, held = run_policy(checkpoint, examples, policy, budget, shape)
+        run = AccuracyRun(policy, fraction, budget, accuracy_report(examples, predictions), held,
+                          time.perf_counter() - t0)
+        runs.append(run)
+        if on_cell:
+            on_cell(run)
+    return runs
