@@ -108,8 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(payload, indent=2, default=float) + "\n")
     paths = plot_accuracy(runs, args.out)
+    title = f"Coverage on the trained model's keys/values (budget 1/{round(1 / fraction)})"
     paths.append(plot_coverage_cdfs(curves, args.out / "coverage_cdf.png", reference=("cords", "infinipot_v"),
-                                    title=f"Coverage on the trained model's keys/values (budget 1/{round(1 / fraction)})"))
+                                    title=title))
     for path in [args.out / "results.json", *paths]:
         print(f"wrote {path}")
     return 0

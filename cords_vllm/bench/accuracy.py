@@ -101,7 +101,7 @@ def run_policy(checkpoint: str | Path, examples: Sequence[VQAExample], policy: s
     scheduler.schedule = schedule
     outputs = llm.generate([e.vllm_request() for e in examples], SamplingParams(temperature=0.0, max_tokens=1),
                            use_tqdm=False)
-    del llm, scheduler
+    del llm
     gc.collect()
     return [o.outputs[0].text for o in outputs], float(np.mean(held_at_answer)) if held_at_answer else float("nan")
 
@@ -231,7 +231,7 @@ def evaluate(checkpoint: str | Path, examples: Sequence[VQAExample], policies: S
     cells += [(p, f) for f in fractions for p in policies if p != "none"]
     runs = []
     for policy, fraction in cells:
-        budget = None if fraction is None else max(shape.block_size, int(round(fraction * video_tokens)))
+        budget = None if fraction is None else max(shape.block_size, round(fraction * video_tokens))
         t0 = time.perf_counter()
         predictions, held = run_policy(checkpoint, examples, policy, budget, shape)
         run = AccuracyRun(policy, fraction, budget, accuracy_report(examples, predictions), held,
