@@ -39,6 +39,9 @@ class PolicyResult:
     preemptions: int
     compressions: int
     selection_seconds: float
+    #: requests past their prompt (decoding) at the same time: streams the server really holds at once
+    #: (``peak_running`` also counts prompts that are admitted and later preempted)
+    peak_decoding: int = 0
     timeline: list[tuple[float, int, int]] = field(default_factory=list)  # (t, blocks in use, running)
     answers: dict[str, Any] = field(default_factory=dict)  # token ids (offline) or text (HTTP)
 
@@ -66,7 +69,7 @@ class PolicyResult:
             "label": self.label, "policy": self.policy, "config": self.config,
             "requests_per_s": self.requests_per_second, "prefill_tok_per_s": self.prefill_tokens_per_second,
             "output_tok_per_s": self.output_tokens_per_second, "ttft_p50_s": self.ttft(0.5),
-            "ttft_p90_s": self.ttft(0.9), "peak_running": self.peak_running,
+            "ttft_p90_s": self.ttft(0.9), "peak_running": self.peak_running, "peak_decoding": self.peak_decoding,
             "peak_kv_blocks": self.peak_blocks_in_use, "total_kv_blocks": self.total_blocks,
             "preemptions": self.preemptions, "compressions": self.compressions,
             "selection_share": self.selection_share, "wall_s": self.wall_seconds,
@@ -132,7 +135,7 @@ def run_offline(model_dir: str | Path, spec: PolicySpec, workload: VideoWorkload
     pool = scheduler.kv_cache_manager.block_pool
     total_blocks = pool.num_gpu_blocks - 1  # block 0 is the null block
     timeline: list[tuple[float, int, int]] = []
-    counters = {"preemptions": 0, "peak_running": 0, "peak_blocks": 0}
+    counters = {"preemptions": 0, "peak_running": 0, "peak_blocks": 0, "peak_decoding": 0}
     t0 = [0.0]
     original_schedule = scheduler.schedule
 
@@ -143,6 +146,8 @@ def run_offline(model_dir: str | Path, spec: PolicySpec, workload: VideoWorkload
         counters["preemptions"] += len(out.preempted_req_ids or ())
         counters["peak_running"] = max(counters["peak_running"], running)
         counters["peak_blocks"] = max(counters["peak_blocks"], in_use)
+        decoding = sum(r.num_computed_tokens >= r.num_prompt_tokens for r in scheduler.running)
+        counters["peak_decoding"] = max(counters["peak_decoding"], decoding)
         timeline.append((time.perf_counter() - t0[0], in_use, running))
         return out
 
@@ -180,7 +185,7 @@ def run_offline(model_dir: str | Path, spec: PolicySpec, workload: VideoWorkload
         prompt_tokens=prompt_tokens, output_tokens=sum(len(a) for a in answers.values()),
         ttft_seconds=[first_token[r] - arrival[r] for r in first_token], peak_running=counters["peak_running"],
         peak_blocks_in_use=counters["peak_blocks"], total_blocks=total_blocks,
-        preemptions=counters["preemptions"],
+        preemptions=counters["preemptions"], peak_decoding=counters["peak_decoding"],
         compressions=int(compressor.sink.totals["compressions"]) if compressor else 0,
         selection_seconds=worker.stats.selection_seconds if worker else 0.0, timeline=timeline, answers=answers,
     )

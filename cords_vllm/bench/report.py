@@ -8,12 +8,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 COLUMNS = [
     ("label", "policy", "{}"), ("requests_per_s", "req/s", "{:.3f}"),
     ("prefill_tok_per_s", "prefill tok/s", "{:.0f}"),
     ("output_tok_per_s", "out tok/s", "{:.1f}"), ("ttft_p50_s", "TTFT p50 s", "{:.1f}"),
     ("ttft_p90_s", "TTFT p90 s", "{:.1f}"), ("peak_running", "peak running", "{}"),
-    ("peak_kv_blocks", "peak KV blocks", "{}"), ("preemptions", "preempt", "{}"),
+    ("peak_decoding", "peak decoding", "{}"), ("peak_kv_blocks", "peak KV blocks", "{}"),
+    ("preemptions", "preempt", "{}"),
     ("compressions", "compress", "{}"), ("selection_share", "select %", "{:.1%}"), ("wall_s", "wall s", "{:.1f}"),
 ]
 
@@ -45,6 +48,7 @@ def ratios(rows: Sequence[dict[str, Any]], baseline: str = "none") -> list[dict[
             "speedup": base["wall_s"] / r["wall_s"],
             "requests_per_s_x": r["requests_per_s"] / base["requests_per_s"],
             "peak_running_x": r["peak_running"] / max(base["peak_running"], 1),
+            "peak_decoding_x": r.get("peak_decoding", 0) / max(base.get("peak_decoding", 0), 1),
             "ttft_p50_x": base["ttft_p50_s"] / r["ttft_p50_s"] if r["ttft_p50_s"] else float("nan"),
             "peak_kv_blocks_x": r["peak_kv_blocks"] / max(base["peak_kv_blocks"], 1),
         })
@@ -52,7 +56,8 @@ def ratios(rows: Sequence[dict[str, Any]], baseline: str = "none") -> list[dict[
 
 
 RATIO_COLUMNS = [("label", "policy", "{}"), ("speedup", "workload speed-up", "{:.2f}x"),
-                 ("peak_running_x", "peak running", "{:.2f}x"), ("ttft_p50_x", "TTFT p50 speed-up", "{:.2f}x"),
+                 ("peak_running_x", "peak running", "{:.2f}x"), ("peak_decoding_x", "peak decoding", "{:.2f}x"),
+                 ("ttft_p50_x", "TTFT p50 speed-up", "{:.2f}x"),
                  ("peak_kv_blocks_x", "peak KV blocks", "{:.2f}x")]
 
 
@@ -75,8 +80,12 @@ def plot_results(results: Sequence[Any], out_dir: Path) -> list[Path]:
     axes[0].bar(labels, [r.requests_per_second for r in results], color="tab:blue")
     axes[0].set_ylabel("requests / s")
     axes[0].set_title("Throughput")
-    axes[1].bar(labels, [r.peak_running for r in results], color="tab:green")
-    axes[1].set_ylabel("requests running at once (peak)")
+    x = np.arange(len(labels))
+    axes[1].bar(x - 0.2, [r.peak_running for r in results], 0.4, color="tab:green", label="running (admitted)")
+    axes[1].bar(x + 0.2, [r.peak_decoding for r in results], 0.4, color="tab:olive", label="decoding (holding KV)")
+    axes[1].set_xticks(x, labels)
+    axes[1].legend()
+    axes[1].set_ylabel("requests at once (peak)")
     axes[1].set_title("Peak concurrency")
     for ax in axes:
         ax.tick_params(axis="x", rotation=45)
