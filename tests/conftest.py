@@ -9,9 +9,25 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engines in tests
 
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 
 from cords_vllm.testing import TinyModelSpec, build_tiny_qwen2vl
+from cords_vllm.threads import intra_op_threads
+
+#: Test directories of pure-torch code on tiny tensors, run with one intra-op thread (see cords_vllm.threads).
+ONE_THREAD_DIRS = ("selection", "metrics")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _pure_torch_threads(request) -> Iterator[None]:
+    if Path(str(request.fspath)).parent.name in ONE_THREAD_DIRS:
+        with intra_op_threads(1):
+            yield
+    else:
+        yield
 
 
 @pytest.fixture(scope="session")

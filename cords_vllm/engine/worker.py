@@ -20,12 +20,10 @@ is preempted (it recomputes from scratch) or resumes.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import re
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +35,7 @@ from cords_vllm.engine.planner import CompressionPlan
 from cords_vllm.engine.region_selection import select_region
 from cords_vllm.observability import CounterSink
 from cords_vllm.selection import get_selector
+from cords_vllm.threads import intra_op_threads
 
 logger = logging.getLogger(__name__)
 
@@ -71,25 +70,6 @@ class WorkerStats:
     selection_seconds: float = 0.0
     copy_seconds: float = 0.0
     per_request: dict[str, dict[str, float]] = field(default_factory=dict)
-
-
-@contextlib.contextmanager
-def intra_op_threads(n: int) -> Iterator[None]:
-    """Run a block with ``n`` intra-op threads, then restore the previous count.
-
-    vLLM's CPU worker replaces ``torch.set_num_threads`` with a no-op once threads are bound to cores; the
-    underlying setter is used here for the duration of the selection only (it runs synchronously, before
-    the forward, which gets its thread count back).
-    """
-    previous = torch.get_num_threads()
-    if n <= 0 or n == previous:
-        yield
-        return
-    torch._C.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch._C.set_num_threads(previous)
 
 
 def tokens_per_frame(request_state: Any, spans: tuple[tuple[int, int], ...]) -> int | None:
