@@ -1,0 +1,102 @@
+"""The shipped video-QA checkpoint loads in the real vLLM engine and answers as recorded.
+
+``cords_vllm/assets/tiny_vqa/training.json`` records, for the ``test`` split (a few examples per family,
+64 frames), the data fingerprint and the predictions vLLM gave when the checkpoint was measured. This test
+regenerates that split, serves it through an in-process engine (fp32, full KV cache) and checks the
+accuracy against the record (and a floor). Nothing is trained here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import numpy as np
+import pytest
+
+from cords_vllm.vqa import (
+    FAMILIES,
+    CountFamily,
+    Family,
+    VideoGeometry,
+    accuracy_report,
+    get_family,
+    make_split,
+    shipped_checkpoint,
+    training_record,
+)
+
+pytestmark = pytest.mark.engine
+
+#: Accuracy may move by at most this much from the recorded value (fp32: in practice it does not move).
+TOLERANCE = 0.03
+#: Whatever was recorded, the shipped model must answer at least this well on the full-KV test split.
+FLOOR = 0.90
+
+
+def _families(config: dict) -> list[Family]:
+    out: list[Family] = []
+    for name in config["families"].split(","):
+        if name == "count":
+            out.append(CountFamily(max_count=config["count_max"], max_decoys=config["count_decoys"]))
+        else:
+            out.append(get_family(name))
+    return out
+
+
+@pytest.fixture(scope="module")
+def record() -> dict:
+    return training_record()
+
+
+@pytest.fixture(scope="module")
+def test_split(record):
+    rec = record["results"]["vllm"]["test_split"]
+    cfg = record["config"]
+    geometry = VideoGeometry(cfg["frames"], cfg["size"])
+    examples = make_split(_families(cfg), rec["per_family"], "test", geometry=geometry)
+    h = hashlib.sha256()
+    for e in examples:
+        h.update(e.answer.encode())
+        h.update(np.ascontiguousarray(e.frames).tobytes())
+    assert h.hexdigest() == rec["fingerprint"], (
+        "the task generator no longer produces the data the checkpoint was measured on; "
+        "re-measure with `benchmarks/train_vqa.py --eval-only cords_vllm/assets/tiny_vqa`")
+    return examples, rec
+
+
+def test_record_describes_checkpoint(record) -> None:
+    ckpt = shipped_checkpoint()
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja",
+                 "processor_config.json"):
+        assert (ckpt / name).is_file(), name
+    assert set(record["config"]["families"].split(",")) <= set(FAMILIES)
+    assert "{question}" in record["prompt"]["template"]
+    summary = record["results"]["summary"]
+    assert summary["hf"] and summary["vllm"]
+
+
+def test_shipped_checkpoint_answers_in_vllm(test_split, record) -> None:
+    examples, rec = test_split
+    from cords_vllm.vqa.serving import engine_kwargs, predict_vllm
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        mp.setenv("TRANSFORMERS_OFFLINE", "1")
+        from vllm import LLM
+
+        llm = LLM(**engine_kwargs(shipped_checkpoint(), examples[0].geometry, kv_cache_memory_bytes=64 << 20))
+        try:
+            predictions = predict_vllm(llm, examples)
+        finally:
+            del llm
+    report = accuracy_report(examples, predictions)
+    recorded = rec["report"]
+    agree = np.mean([p == q for p, q in zip(predictions, rec["predictions"], strict=True)])
+    msg = f"accuracy {report['overall']:.3f} vs recorded {recorded['overall']:.3f}; agreement {agree:.3f}"
+    assert abs(report["overall"] - recorded["overall"]) <= TOLERANCE, msg
+    assert report["overall"] >= FLOOR, msg
+    assert agree >= 1 - TOLERANCE, msg
+    if os.environ.get("CORDS_VQA_VERBOSE"):
+        print(msg, {f: v["accuracy"] for f, v in report["families"].items()})
