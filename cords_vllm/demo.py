@@ -43,14 +43,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def serve_args(model_dir, policy: str, workload: VideoWorkload, pool_videos: float, budget: int) -> list[str]:
     """``vllm serve`` flags for the demo: fp32, eager, small blocks and chunks, a pool of ``pool_videos``."""
-    from transformers import AutoTokenizer
-
+    from cords_vllm.bench.offline import prompt_tokens
     from cords_vllm.bench.workload import PROMPT, QUESTION
 
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
-    prompt_tokens = len(tok(PROMPT.format(question=QUESTION))["input_ids"]) - 1 + workload.video_tokens
+    length = prompt_tokens(model_dir, PROMPT.format(question=QUESTION), workload)
     kw = EngineSettings(block_size=32, chunk=256, step_tokens=2048, pool_videos=pool_videos).engine_kwargs(
-        model_dir, workload, prompt_tokens + 32)  # + chat template text
+        model_dir, workload, length + 32)  # + chat template text
     args = ["--kv-policy", policy, "--dtype", kw["dtype"], "--enforce-eager", "--block-size", str(kw["block_size"]),
             "--kv-cache-memory-bytes", str(kw["kv_cache_memory_bytes"]), "--max-model-len", str(kw["max_model_len"]),
             "--max-num-batched-tokens", str(kw["max_num_batched_tokens"]),

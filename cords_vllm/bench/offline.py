@@ -127,7 +127,7 @@ def run_offline(model_dir: str | Path, spec: PolicySpec, workload: VideoWorkload
     kwargs = {}
     if spec.policy != "none":
         kwargs.update(kv_policy_args(spec.policy, **spec.config))
-    prompt_len = _prompt_tokens(model_dir, requests[0].prompt, workload)
+    prompt_len = prompt_tokens(model_dir, requests[0].prompt, workload)
     llm = make_llm(model_dir, **settings.engine_kwargs(model_dir, workload, prompt_len), **kwargs)
     engine = llm.llm_engine
     core = engine_core(llm)
@@ -194,7 +194,7 @@ def run_offline(model_dir: str | Path, spec: PolicySpec, workload: VideoWorkload
     return result
 
 
-def _prompt_tokens(model_dir: str | Path, prompt: str, workload: VideoWorkload) -> int:
+def prompt_tokens(model_dir: str | Path, prompt: str, workload: VideoWorkload) -> int:
     """Prompt length of one request: its text tokens with the placeholder expanded to the video's tokens."""
     from transformers import AutoTokenizer
 
