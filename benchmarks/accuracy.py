@@ -31,7 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--families", nargs="+", default=[getattr(f, "name", f) for f in FAMILIES])
     p.add_argument("--per-family", type=int, default=32)
     p.add_argument("--frames", type=int, default=64, help="video length (training used 64)")
-    p.add_argument("--policies", nargs="+", default=available_selectors())
+    p.add_argument("--policies", nargs="+", default=available_selectors(),
+                   help="registry names or variants NAME:key=value,... (e.g. cords:granularity=token,alpha=0.1)")
+    p.add_argument("--granularity", choices=["token", "frame", "block"], default=None,
+                   help="selection unit for every policy (default: the engine's default); variants may override")
     p.add_argument("--fractions", nargs="+", type=float, default=[1 / 2, 1 / 4, 1 / 8, 1 / 16])
     p.add_argument("--chunk", type=int, default=64, help="prefill tokens per request per step")
     p.add_argument("--batch", type=int, default=16, help="requests prefilled together")
@@ -50,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         plot_accuracy,
         run_policy,
     )
+    from cords_vllm.bench.workload import PolicySpec
     from cords_vllm.metrics.coverage import max_cdf_gap
     from cords_vllm.metrics.plot import plot_coverage_cdfs
     from cords_vllm.vqa import accuracy_report, format_report
@@ -58,29 +62,31 @@ def main(argv: list[str] | None = None) -> int:
     geometry = VideoGeometry(num_frames=args.frames)
     examples = make_split(args.families, args.per_family, "heldout", geometry=geometry)
     shape = EngineShape(chunk=args.chunk, batch=args.batch)
+    defaults = {"granularity": args.granularity} if args.granularity else {}
+    specs = [PolicySpec.parse(text, defaults) for text in args.policies]
     print(f"{len(examples)} held-out examples ({', '.join(args.families)}), {args.frames} frames = "
           f"{geometry.num_video_tokens} video tokens each; checkpoint {checkpoint.name}", flush=True)
     cells = 1 + len(args.fractions) * len(args.policies)
     with tqdm(total=cells, desc="policy x budget", unit="cell") as bar:
         def report(run):
             bar.update(1)
-            bar.set_postfix_str(f"{run.policy} {run.fraction} -> {run.report['overall']:.3f}")
-        runs = evaluate(checkpoint, examples, args.policies, args.fractions, shape, on_cell=report)
+            bar.set_postfix_str(f"{run.label} {run.fraction} -> {run.report['overall']:.3f}")
+        runs = evaluate(checkpoint, examples, specs, args.fractions, shape, on_cell=report)
 
     full = runs[0]
     print(f"\nfull KV: {format_report(full.report)}")
     header = "| policy | " + " | ".join(f"1/{round(1 / f)} (held)" for f in args.fractions) + " |"
     print("\n" + header + "\n|" + "---|" * (len(args.fractions) + 1))
-    for policy in args.policies:
+    for policy in (s.label for s in specs if s.policy != "none"):
         cells_row = []
         for f in args.fractions:
-            run = next(r for r in runs if r.policy == policy and r.fraction == f)
+            run = next(r for r in runs if r.label == policy and r.fraction == f)
             cells_row.append(f"{100 * run.report['overall']:.1f}% ({run.effective_video_tokens:.0f})")
         print(f"| {policy} | " + " | ".join(cells_row) + " |")
     print(f"| full KV | {100 * full.report['overall']:.1f}% ({full.effective_video_tokens:.0f}) |")
     for policy in ("cords", "recency", "uniform"):
         for run in runs:
-            if run.policy == policy and run.fraction == min(args.fractions, key=lambda x: abs(x - 1 / 8)):
+            if run.label == policy and run.fraction == min(args.fractions, key=lambda x: abs(x - 1 / 8)):
                 print(f"\n{policy} at 1/{round(1 / run.fraction)}: {format_report(run.report)}")
 
     payload = {"argv": sys.argv[1:], "examples": len(examples), "frames": args.frames,

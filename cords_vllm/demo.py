@@ -29,7 +29,7 @@ TABLE = [("label", "policy", "{}"), ("peak_kv_blocks", "peak KV blocks", "{}"),
          ("requests_per_s", "req/s", "{:.2f}"), ("ttft_p50_s", "TTFT p50 s", "{:.1f}"), ("wall_s", "wall s", "{:.1f}")]
 
 
-def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m cords_vllm.demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=6, help="concurrent video requests (default: %(default)s)")
     p.add_argument("--frames", type=int, default=64, help="frames per video (default: %(default)s)")
@@ -61,7 +61,12 @@ def serve_args(model_dir, policy: str, workload: VideoWorkload, pool_videos: flo
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parse_args(argv)
+    run_demo(parse_args(argv))
+    return 0
+
+
+def run_demo(args: argparse.Namespace) -> list[PolicyResult]:
+    """Serve, ask and stop for each policy in ``args.policies``; print answers and the table; return results."""
     from tqdm import tqdm
 
     from cords_vllm.bench.http import run_http
@@ -89,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"    {req_id}: {last.answers[req_id]!r}")
     print()
     print(format_table([r.summary() for r in results], TABLE))
-    return 0
+    return results
 
 
 if __name__ == "__main__":

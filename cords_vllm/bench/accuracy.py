@@ -25,15 +25,21 @@ from typing import Any
 import numpy as np
 import torch
 
+from cords_vllm.bench.workload import PolicySpec
 from cords_vllm.config import kv_policy_args
 from cords_vllm.vqa import VQAExample, accuracy_report
 
 
 @dataclass
 class AccuracyRun:
-    """One (policy, budget) cell: the accuracy report and the budget the requests really held."""
+    """One (policy, budget) cell: the accuracy report and the budget the requests really held.
 
+    ``label`` names the variant (``cords:granularity=token``); ``policy`` is its registry name.
+    """
+
+    label: str
     policy: str
+    config: dict[str, Any]
     fraction: float | None
     budget: int | None
     report: dict[str, Any]
@@ -65,9 +71,13 @@ def engine_args(checkpoint: str | Path, examples: Sequence[VQAExample], shape: E
     return kw
 
 
-def run_policy(checkpoint: str | Path, examples: Sequence[VQAExample], policy: str, budget: int | None,
+def run_policy(checkpoint: str | Path, examples: Sequence[VQAExample], spec: PolicySpec | str, budget: int | None,
                shape: EngineShape) -> tuple[list[str], float]:
-    """Greedy one-token answers under ``policy`` and the mean video tokens held when answering."""
+    """Greedy one-token answers under ``spec`` and the mean video tokens held when answering.
+
+    ``budget`` overrides the spec's; compression runs whenever the held video tokens exceed it (slack 0), so
+    every policy holds the same number of tokens at the answer.
+    """
     from vllm import SamplingParams
 
     from cords_vllm.engine.planner import RequestCompressionState, held_video_tokens
@@ -75,8 +85,10 @@ def run_policy(checkpoint: str | Path, examples: Sequence[VQAExample], policy: s
 
     kwargs = engine_args(checkpoint, examples, shape)
     model = kwargs.pop("model")
-    if policy != "none":
-        kwargs.update(kv_policy_args(policy, budget=budget, slack=0))
+    if isinstance(spec, str):
+        spec = PolicySpec.parse(spec, {})
+    if spec.policy != "none":
+        kwargs.update(kv_policy_args(spec.policy, **{**spec.config, "budget": budget, "slack": 0}))
     llm = make_llm(model, **kwargs)
     scheduler = engine_core(llm).scheduler
     held_at_answer: list[int] = []
@@ -183,10 +195,10 @@ def plot_accuracy(runs: Sequence[AccuracyRun], out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = []
     full = next((r for r in runs if r.policy == "none" and r.fraction is None), None)
-    policies = list(dict.fromkeys(r.policy for r in runs if r.fraction is not None))
+    policies = list(dict.fromkeys(r.label for r in runs if r.fraction is not None))
     fig, ax = plt.subplots(figsize=(8, 5))
     for policy in policies:
-        cells = sorted((r for r in runs if r.policy == policy and r.fraction is not None), key=lambda r: r.fraction)
+        cells = sorted((r for r in runs if r.label == policy and r.fraction is not None), key=lambda r: r.fraction)
         ax.plot([r.fraction for r in cells], [100 * r.report["overall"] for r in cells], marker="o", label=policy)
     if full:
         ax.axhline(100 * full.report["overall"], color="black", linestyle="--", label="full KV")
@@ -206,7 +218,7 @@ def plot_accuracy(runs: Sequence[AccuracyRun], out: Path) -> list[Path]:
     width = 0.8 / max(len(policies), 1)
     for ax, fraction in zip(axes[0], fractions, strict=True):
         for i, policy in enumerate(policies):
-            cell = next((r for r in runs if r.policy == policy and r.fraction == fraction), None)
+            cell = next((r for r in runs if r.label == policy and r.fraction == fraction), None)
             if cell is None:
                 continue
             accs = [100 * (cell.report["families"][f]["accuracy"] or 0) for f in families]
@@ -222,20 +234,21 @@ def plot_accuracy(runs: Sequence[AccuracyRun], out: Path) -> list[Path]:
     return paths
 
 
-def evaluate(checkpoint: str | Path, examples: Sequence[VQAExample], policies: Sequence[str],
+def evaluate(checkpoint: str | Path, examples: Sequence[VQAExample], policies: Sequence[PolicySpec | str],
              fractions: Sequence[float], shape: EngineShape,
              on_cell: Callable[[AccuracyRun], None] | None = None) -> list[AccuracyRun]:
     """Full KV once, then every (policy, fraction) cell."""
     video_tokens = examples[0].geometry.num_video_tokens
-    cells: list[tuple[str, float | None]] = [("none", None)]
-    cells += [(p, f) for f in fractions for p in policies if p != "none"]
+    specs = [PolicySpec.parse(p, {}) if isinstance(p, str) else p for p in policies]
+    cells: list[tuple[PolicySpec, float | None]] = [(PolicySpec.parse("none", {}), None)]
+    cells += [(p, f) for f in fractions for p in specs if p.policy != "none"]
     runs = []
-    for policy, fraction in cells:
+    for spec, fraction in cells:
         budget = None if fraction is None else max(shape.block_size, round(fraction * video_tokens))
         t0 = time.perf_counter()
-        predictions, held = run_policy(checkpoint, examples, policy, budget, shape)
-        run = AccuracyRun(policy, fraction, budget, accuracy_report(examples, predictions), held,
-                          time.perf_counter() - t0)
+        predictions, held = run_policy(checkpoint, examples, spec, budget, shape)
+        run = AccuracyRun(spec.label, spec.policy, spec.config, fraction, budget,
+                          accuracy_report(examples, predictions), held, time.perf_counter() - t0)
         runs.append(run)
         if on_cell:
             on_cell(run)

@@ -121,7 +121,7 @@ def run_offline(model_dir: str | Path, spec: PolicySpec, workload: VideoWorkload
     """Run ``workload`` through a fresh in-process engine with policy ``spec``."""
     from vllm import SamplingParams
 
-    from cords_vllm.testing.engine import engine_core, make_llm, model_runner
+    from cords_vllm.testing.engine import engine_core, make_llm, model_runner, record_steps
 
     requests = workload.requests()
     kwargs = {}
@@ -130,37 +130,17 @@ def run_offline(model_dir: str | Path, spec: PolicySpec, workload: VideoWorkload
     prompt_len = prompt_tokens(model_dir, requests[0].prompt, workload)
     llm = make_llm(model_dir, **settings.engine_kwargs(model_dir, workload, prompt_len), **kwargs)
     engine = llm.llm_engine
-    core = engine_core(llm)
-    scheduler = core.scheduler
-    pool = scheduler.kv_cache_manager.block_pool
-    total_blocks = pool.num_gpu_blocks - 1  # block 0 is the null block
-    timeline: list[tuple[float, int, int]] = []
-    counters = {"preemptions": 0, "peak_running": 0, "peak_blocks": 0, "peak_decoding": 0}
-    t0 = [0.0]
-    original_schedule = scheduler.schedule
-
-    def schedule(*args, **kw):
-        out = original_schedule(*args, **kw)
-        in_use = total_blocks - pool.get_num_free_blocks()
-        running = len(scheduler.running)
-        counters["preemptions"] += len(out.preempted_req_ids or ())
-        counters["peak_running"] = max(counters["peak_running"], running)
-        counters["peak_blocks"] = max(counters["peak_blocks"], in_use)
-        decoding = sum(r.num_computed_tokens >= r.num_prompt_tokens for r in scheduler.running)
-        counters["peak_decoding"] = max(counters["peak_decoding"], decoding)
-        timeline.append((time.perf_counter() - t0[0], in_use, running))
-        return out
-
-    scheduler.schedule = schedule
+    scheduler = engine_core(llm).scheduler
+    steps = record_steps(llm)
     params = SamplingParams(temperature=0.0, max_tokens=workload.max_tokens, ignore_eos=True)
     pending = sorted(requests, key=lambda r: r.arrival)
     first_token: dict[str, float] = {}
     arrival: dict[str, float] = {}
     answers: dict[str, list[int]] = {}
-    prompt_tokens = 0
-    t0[0] = time.perf_counter()
+    served_prompt_tokens = 0
+    steps.start()
     while pending or engine.has_unfinished_requests():
-        now = time.perf_counter() - t0[0]
+        now = time.perf_counter() - steps.started
         while pending and pending[0].arrival <= now:
             request = pending.pop(0)
             arrival[request.request_id] = request.arrival
@@ -169,27 +149,27 @@ def run_offline(model_dir: str | Path, spec: PolicySpec, workload: VideoWorkload
             time.sleep(max(0.0, pending[0].arrival - now))
             continue
         for out in engine.step():
-            t = time.perf_counter() - t0[0]
+            t = time.perf_counter() - steps.started
             if out.outputs and out.outputs[0].token_ids and out.request_id not in first_token:
                 first_token[out.request_id] = t
             if out.finished:
                 answers[out.request_id] = list(out.outputs[0].token_ids)
-                prompt_tokens += len(out.prompt_token_ids)
+                served_prompt_tokens += len(out.prompt_token_ids)
                 if on_progress:
                     on_progress(1)
-    wall = time.perf_counter() - t0[0]
+    wall = time.perf_counter() - steps.started
     worker = model_runner(llm).__dict__.get("_cords_worker")
     compressor = scheduler.__dict__.get("_cords_compressor")
     result = PolicyResult(
         label=spec.label, policy=spec.policy, config=spec.config, num_requests=len(requests), wall_seconds=wall,
-        prompt_tokens=prompt_tokens, output_tokens=sum(len(a) for a in answers.values()),
-        ttft_seconds=[first_token[r] - arrival[r] for r in first_token], peak_running=counters["peak_running"],
-        peak_blocks_in_use=counters["peak_blocks"], total_blocks=total_blocks,
-        preemptions=counters["preemptions"], peak_decoding=counters["peak_decoding"],
+        prompt_tokens=served_prompt_tokens, output_tokens=sum(len(a) for a in answers.values()),
+        ttft_seconds=[first_token[r] - arrival[r] for r in first_token], peak_running=steps.peak_running,
+        peak_blocks_in_use=steps.peak_blocks, total_blocks=steps.total_blocks,
+        preemptions=steps.preemptions, peak_decoding=steps.peak_decoding,
         compressions=int(compressor.sink.totals["compressions"]) if compressor else 0,
-        selection_seconds=worker.stats.selection_seconds if worker else 0.0, timeline=timeline, answers=answers,
+        selection_seconds=worker.stats.selection_seconds if worker else 0.0, timeline=steps.timeline, answers=answers,
     )
-    del llm, engine, core
+    del llm, engine, scheduler
     gc.collect()
     return result
 

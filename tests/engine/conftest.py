@@ -12,7 +12,7 @@ import torch
 
 from cords_vllm.config import kv_policy_args
 from cords_vllm.testing import make_video
-from cords_vllm.testing.engine import engine_core, make_llm, model_runner
+from cords_vllm.testing.engine import engine_core, make_llm, model_runner, record_steps
 
 os.environ["CORDS_VLLM_TRACE"] = "1"
 
@@ -51,26 +51,9 @@ def run_engine(model: str, prompts: list[dict], policy: str = "none", max_tokens
     if policy != "none":
         kwargs.update(kv_policy_args(policy, **config))
     llm = make_llm(model, **kwargs)
-    core = engine_core(llm)
-    pool = core.scheduler.kv_cache_manager.block_pool
-    manager = core.scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+    pool = engine_core(llm).scheduler.kv_cache_manager.block_pool
     free_before = pool.get_num_free_blocks()
-    max_held: dict[str, int] = {}
-    max_running = [0]
-    preemptions = [0]
-    scheduler = core.scheduler
-    original_schedule = scheduler.schedule  # bound: the plugin's wrapper around vLLM's schedule
-
-    def schedule(*args, **kw):
-        out = original_schedule(*args, **kw)  # after this step's allocations: the peak of what is held
-        for req_id, row in manager.req_to_blocks.items():
-            held = sum(not b.is_null for b in row)
-            max_held[req_id] = max(max_held.get(req_id, 0), held)
-        max_running[0] = max(max_running[0], len(scheduler.running))
-        preemptions[0] += len(out.preempted_req_ids or ())
-        return out
-
-    scheduler.schedule = schedule
+    steps = record_steps(llm)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=20)
     outs = llm.generate(prompts, params, use_tqdm=False)
     worker = model_runner(llm).__dict__.get("_cords_worker")
@@ -81,12 +64,12 @@ def run_engine(model: str, prompts: list[dict], policy: str = "none", max_tokens
         events=list(worker.events) if worker else [],
         free_blocks_before=free_before,
         free_blocks_after=pool.get_num_free_blocks(),
-        max_blocks_held=max_held,
-        max_running=max_running[0],
-        num_preemptions=preemptions[0],
+        max_blocks_held=steps.max_blocks_held,
+        max_running=steps.peak_running,
+        num_preemptions=steps.preemptions,
         stats=worker.stats if worker else None,
     )
-    del llm, core  # the closure above keeps the scheduler; dropped with this frame
+    del llm, pool  # the recorder's closure keeps the scheduler; dropped with this frame
     gc.collect()
     return run
 
