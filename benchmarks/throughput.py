@@ -30,7 +30,8 @@ from cords_vllm.bench.workload import PolicySpec, VideoWorkload
 def _default_policies() -> list[str]:
     from cords_vllm.selection import available_selectors
 
-    return ["none", *available_selectors(), "cords:anchors=0+2", "cords:granularity=block"]
+    return ["none", *available_selectors(), "cords:anchors=0+2", "cords:granularity=block",
+            "cords:granularity=token"]
 
 
 def _machine() -> str:

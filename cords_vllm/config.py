@@ -33,12 +33,13 @@ ENGINE_KEYS: dict[str, str] = {
     "recent": "most recent video tokens always kept (int, 0 <= recent < budget; default budget // 4)",
     "slack": "extra video tokens allowed above budget before compressing again, so compression does not "
              "run every chunk (int >= 0; default budget // 4)",
-    "granularity": "selection unit: 'block' (centroid of a paged KV block's tokens), 'token', or 'frame' "
-                   "(centroid of a frame's tokens) (default 'block': 3x the token-level throughput on long videos)",
+    "granularity": "selection unit: 'frame' (centroid of a video frame's tokens, as in the paper; needs "
+                   "M-RoPE frame positions, i.e. the Qwen2-VL family), 'token', or 'block' (centroid of a paged "
+                   "KV block's tokens) (default 'frame')",
     "per_head": "select tokens for each KV head on its own instead of all heads jointly (bool; default "
                 "false)",
-    "anchors": "layers that run the selector on their own keys/values: a list of layer indices, or 'all' "
-               "(every layer is its own anchor, no followers) (default [0])",
+    "anchors": "layers that run the selector on their own keys/values: a list of layer indices (or one index), "
+               "or 'all' (every layer is its own anchor, no followers) (default [0])",
 }
 
 
@@ -78,7 +79,7 @@ class KVPolicyConfig:
     budget: int = 2048
     recent: int = 512
     slack: int = 512
-    granularity: str = "block"
+    granularity: str = "frame"
     per_head: bool = False
     anchors: tuple[int, ...] | None = (0,)
     params: Mapping[str, Any] = field(default_factory=dict)
@@ -115,7 +116,7 @@ class KVPolicyConfig:
         if recent >= budget:
             raise KVPolicyConfigError(f"kv_policy_config key 'recent' must be < budget ({budget}), got {recent}")
         slack = _int(engine, "slack", budget // 4, minimum=0)
-        granularity = engine.get("granularity", "block")
+        granularity = engine.get("granularity", "frame")
         if granularity not in GRANULARITIES:
             raise KVPolicyConfigError(
                 f"kv_policy_config key 'granularity' must be one of {list(GRANULARITIES)}, got {granularity!r}"
@@ -197,6 +198,8 @@ def _int(values: Mapping[str, Any], key: str, default: int, *, minimum: int) -> 
 def _anchors(value: Any) -> tuple[int, ...] | None:
     if value == "all":
         return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = [value]  # one anchor layer
     if (not isinstance(value, list | tuple) or not value
             or any(isinstance(a, bool) or not isinstance(a, int) or a < 0 for a in value)
             or len(set(value)) != len(value)):

@@ -2,9 +2,14 @@
 
 The engine needs an exact count: every layer (and every head) must keep ``protected + num_keep_video``
 tokens so that they fill whole KV blocks. Selectors guarantee exact counts at token granularity; at
-frame/block granularity they keep whole groups, so the region selection asks for ``ceil(n / g)`` groups and
-trims the last group the policy chose to the tokens still needed (its oldest ones). Group granularity falls
-back to token granularity when the held candidates do not contain enough whole groups.
+frame/block granularity they keep whole groups, so the region selection asks for enough groups and trims
+the groups the policy chose last to the tokens still needed (their oldest ones).
+
+Frames are the video's real frames when the caller passes each held token's frame label (the engine uses
+the token's M-RoPE temporal position): a frame cut by an earlier trim or by the region's edge stays one,
+smaller, group, so groups never straddle two frames however many times a request was compressed. Without
+labels (and at block granularity), groups are fixed runs of ``group_size`` held candidates, and group
+granularity falls back to token granularity when the held candidates do not contain enough whole groups.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from cords_vllm.selection import Selector
+from cords_vllm.selection.granularity import labelled_group_ids
 
 
 def video_mask(logical_ids: torch.Tensor, spans: Sequence[tuple[int, int]]) -> torch.Tensor:
@@ -27,7 +33,8 @@ def video_mask(logical_ids: torch.Tensor, spans: Sequence[tuple[int, int]]) -> t
 def select_region(selector: Selector, keys: torch.Tensor, values: torch.Tensor, held_ids: torch.Tensor,
                   spans: Sequence[tuple[int, int]], num_keep_video: int, *, granularity: str = "token",
                   group_size: int | None = None, per_head: bool = False, frame_tokens: int | None = None,
-                  generator: torch.Generator | None = None) -> torch.Tensor:
+                  frame_index: torch.Tensor | None = None, generator: torch.Generator | None = None
+                  ) -> torch.Tensor:
     """Kept positions (indices into the held tokens) for each anchor layer and head.
 
     Parameters
@@ -47,6 +54,10 @@ def select_region(selector: Selector, keys: torch.Tensor, values: torch.Tensor, 
         Each head selects its own tokens; otherwise the heads of a layer select jointly.
     frame_tokens:
         Tokens per frame, passed to frame-aware policies at token granularity (``infinipot_v``).
+    frame_index:
+        ``long [A, H, T]``, optional: the frame label of every held token, non-decreasing along the video
+        tokens (values elsewhere ignored). At ``"frame"`` granularity, groups are then the real frames
+        (at most ``group_size`` tokens each).
 
     Returns
     -------
@@ -65,6 +76,13 @@ def select_region(selector: Selector, keys: torch.Tensor, values: torch.Tensor, 
     n_cand = cand.sum(-1)
     if int(n_cand.min()) <= num_keep_video:
         raise ValueError(f"num_keep_video={num_keep_video} must be < held video tokens ({int(n_cand.min())})")
+
+    if granularity == "frame" and frame_index is not None:
+        assert group_size is not None
+        labels = frame_index.reshape(a * h, t) if per_head else frame_index[:, 0]
+        keep = _select_labelled_frames(selector, k, v, cand, labels, num_keep_video, group_size, generator)
+        positions = result_positions(keep)
+        return positions.reshape(a, h, -1) if per_head else positions[:, None, :].expand(a, h, -1).contiguous()
 
     g = group_size if granularity != "token" else None
     if g is not None and -(-num_keep_video // g) > int(n_cand.min()) // g:
@@ -86,6 +104,41 @@ def select_region(selector: Selector, keys: torch.Tensor, values: torch.Tensor, 
             keep &= ~(cand & (rank >= first_dropped) & (rank < last[:, None] * g + g))
     positions = result_positions(keep)
     return positions.reshape(a, h, -1) if per_head else positions[:, None, :].expand(a, h, -1).contiguous()
+
+
+def _select_labelled_frames(selector: Selector, k: torch.Tensor, v: torch.Tensor, cand: torch.Tensor,
+                            labels: torch.Tensor, need: int, group_size: int,
+                            generator: torch.Generator | None) -> torch.Tensor:
+    """``bool [B, T]``: protected tokens plus exactly ``need`` candidates, from whole frames the policy chose.
+
+    Frames may be smaller than ``group_size`` (cut before), so ``ceil(need / group_size)`` frames can hold
+    fewer than ``need`` tokens: the budget grows by one frame until every problem has enough, then each
+    problem keeps its chosen tokens ordered by when the policy chose their frame (oldest token first
+    within a frame), up to ``need``. Only the frames chosen last are trimmed.
+    """
+    budget = -(-need // group_size) * group_size
+    while True:
+        result = selector.select(k, v, budget, candidates=cand, granularity="frame", group_size=group_size,
+                                 group_index=labels, generator=generator)
+        chosen = result.keep & cand
+        if int(chosen.sum(-1).min()) >= need:
+            break
+        budget += group_size  # terminates: a budget >= the candidates keeps them all (> need)
+    b, t = cand.shape
+    gid = labelled_group_ids(labels, cand, group_size)[0]
+    n_groups = int(gid.max()) + 1
+    when = torch.full((b, n_groups + 1), n_groups, dtype=torch.long, device=cand.device)  # unchosen: last
+    order = result.order
+    if order.shape[-1]:
+        steps = torch.arange(order.shape[-1], device=cand.device).expand_as(order)
+        when.scatter_(1, torch.where(order >= 0, order, n_groups), steps)
+    when[:, n_groups] = n_groups
+    # every chosen candidate: (when its frame was chosen, token index); keep the first `need`
+    priority = torch.gather(when, 1, torch.where(gid >= 0, gid, n_groups)) * t + torch.arange(t, device=cand.device)
+    priority = torch.where(chosen, priority, torch.iinfo(torch.long).max)
+    first = torch.argsort(priority, dim=-1, stable=True)[:, :need]
+    kept = torch.zeros_like(cand).scatter_(1, first, True)
+    return ~cand | kept
 
 
 def result_positions(keep: torch.Tensor) -> torch.Tensor:

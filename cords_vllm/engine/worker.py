@@ -72,6 +72,19 @@ class WorkerStats:
     per_request: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
+def frame_labels(request_state: Any, spans: tuple[tuple[int, int], ...]) -> tuple[torch.Tensor, int]:
+    """Frame label of every token of a request and the largest frame of its videos.
+
+    A video token's label is its M-RoPE temporal position: the tokens of one frame (temporal patch) share
+    it and later frames have larger ones, across all videos of the request. Returns ``(long [L], tokens of
+    the largest frame)``.
+    """
+    temporal = request_state.mrope_positions[0]
+    largest = max(int(torch.unique_consecutive(temporal[start:end], return_counts=True)[1].max())
+                  for start, end in spans)
+    return temporal.to(torch.long), largest
+
+
 def tokens_per_frame(request_state: Any, spans: tuple[tuple[int, int], ...]) -> int | None:
     """Tokens of one frame (temporal patch) of the request's first video, from its M-RoPE positions.
 
@@ -109,6 +122,10 @@ class WorkerCompressor:
         config.check_model(self.num_layers)
         self.anchor = [config.anchor_of(i, self.num_layers) for i in range(self.num_layers)]
         self.anchors = sorted(set(self.anchor))
+        if config.granularity == "frame" and not getattr(runner, "uses_mrope", False):
+            raise ValueError(
+                f"--kv-policy {config.policy}: granularity 'frame' reads frames from M-RoPE temporal positions "
+                "(Qwen2-VL family); this model has none. Use granularity 'token' or 'block'.")
         forward_context = runner.compilation_config.static_forward_context
         self.modules = [forward_context[n] for n in self.layer_names]
         self.layouts = [KVLayout.for_layer(self._cache(i), m) for i, m in enumerate(self.modules)]
@@ -190,12 +207,17 @@ class WorkerCompressor:
         read = {a: self.layouts[a].read(self._cache(a), src) for a in self.anchors}  # [T, H, D] each
         keys = torch.stack([read[a][0].transpose(0, 1) for a in self.anchors])
         values = torch.stack([read[a][1].transpose(0, 1) for a in self.anchors])
-        frame_tokens = tokens_per_frame(runner.requests[plan.req_id], plan.video.spans)
-        group = frame_tokens if self.config.granularity == "frame" and frame_tokens else bs
+        request_state = runner.requests[plan.req_id]
+        frame_tokens = tokens_per_frame(request_state, plan.video.spans)
+        held_ids = torch.stack([held[a] for a in self.anchors])  # [A, H, T]
+        group, frame_index = bs, None
+        if self.config.granularity == "frame":
+            labels, group = frame_labels(request_state, plan.video.spans)
+            frame_index = labels.to(held_ids.device)[held_ids]
         positions = select_region(
-            self.selector, keys, values, torch.stack([held[a] for a in self.anchors]), plan.video.spans,
-            plan.num_keep_video, granularity=self.config.granularity, group_size=group,
-            per_head=self.config.per_head, frame_tokens=frame_tokens,
+            self.selector, keys, values, held_ids, plan.video.spans, plan.num_keep_video,
+            granularity=self.config.granularity, group_size=group, per_head=self.config.per_head,
+            frame_tokens=frame_tokens, frame_index=frame_index,
         )  # [A, H, n_keep]
         t1 = time.perf_counter()
         if positions.shape[-1] != plan.num_keep:

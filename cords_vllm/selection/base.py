@@ -35,7 +35,14 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from cords_vllm.selection.features import group_features, token_features
-from cords_vllm.selection.granularity import candidate_ranks, expand_group_selection, group_ids, units_to_mask
+from cords_vllm.selection.granularity import (
+    candidate_ranks,
+    expand_group_selection,
+    group_centroids,
+    group_ids,
+    labelled_group_ids,
+    units_to_mask,
+)
 
 Granularity = Literal["token", "frame", "block"]
 GRANULARITIES: tuple[str, ...] = ("token", "frame", "block")
@@ -346,6 +353,7 @@ class Selector(abc.ABC):
         candidates: torch.Tensor | None = None,
         granularity: Granularity = "token",
         group_size: int | None = None,
+        group_index: torch.Tensor | None = None,
         per_head: bool = False,
         generator: torch.Generator | None = None,
     ) -> SelectionResult:
@@ -374,6 +382,14 @@ class Selector(abc.ABC):
             Tokens per frame/block; required (``>= 1``) at frame/block granularity. At token
             granularity it is optional and only read by frame-aware policies (``infinipot_v``: tokens
             per frame).
+        group_index:
+            ``long [B, N]``, optional, frame/block granularity only: the group (e.g. frame number) of
+            every token, non-decreasing along each problem's candidates, at most ``group_size``
+            candidates per group; values at protected tokens are ignored. Groups are then the runs of
+            candidates sharing a value instead of fixed runs of ``group_size``: a frame cut by an
+            earlier eviction or by the edge of the candidate region stays one (smaller) group and every
+            group may be chosen, so the kept count is *at most* ``group_size * (budget // group_size)``
+            (the engine tops up and trims to an exact count, :mod:`cords_vllm.engine.region_selection`).
         per_head:
             False: the ``H`` KV heads of a token form one feature of dim ``H*D`` and one selection
             per problem (``keep`` is ``[B, N]``). True: each head selects its own ``budget`` tokens
@@ -389,6 +405,8 @@ class Selector(abc.ABC):
         """
         budget = _check_inputs(keys, values, budget, candidates, granularity, group_size, per_head,
                                generator)
+        if group_index is not None:
+            _check_group_index(group_index, keys, candidates, granularity)
         if self.needs_frame_length and group_size is None:
             raise ValueError(f"group_size: {self.name} needs group_size = tokens per frame at token "
                              "granularity")
@@ -412,6 +430,17 @@ class Selector(abc.ABC):
             k = torch.where(keep_all, 0, budget)
             period = group_size
             gid = None
+        elif group_index is not None:
+            assert group_size is not None
+            labels = group_index
+            if per_head:
+                labels = labels[:, None, :].expand(b_count, h_count, n_tok).reshape(p_count, n_tok)
+            gid, count = labelled_group_ids(labels, cand, group_size)
+            n_groups = int(count.max()) if count.numel() else 0
+            valid = torch.arange(n_groups, device=device)[None, :] < count[:, None]
+            unit_rank = torch.where(valid, torch.arange(n_groups, device=device)[None, :], -1)
+            k = torch.where(keep_all, 0, torch.clamp(count, max=budget // group_size))
+            period = 1
         else:
             assert group_size is not None
             gid = group_ids(rank, group_size)
@@ -429,6 +458,8 @@ class Selector(abc.ABC):
             unit_feats = zero.expand(p_count, valid.shape[1], 2 * key_dim)
         elif gid is None:
             unit_feats = token_features(keys, values, per_head, cdt)
+        elif group_index is not None:
+            unit_feats = group_centroids(token_features(keys, values, per_head, cdt), gid, valid.shape[1])
         else:
             unit_feats = group_features(keys, values, cand_bn, group_size, valid.shape[1], per_head, cdt)
 
@@ -472,6 +503,24 @@ class Selector(abc.ABC):
 # --------------------------------------------------------------------------------------------------
 # Input validation
 # --------------------------------------------------------------------------------------------------
+
+
+def _check_group_index(group_index: Any, keys: torch.Tensor, candidates: torch.Tensor | None,
+                       granularity: str) -> None:
+    """Validate ``group_index`` (shape, dtype, device, order along the candidates)."""
+    b_count, _, n_tok, _ = keys.shape
+    if granularity == "token":
+        raise ValueError("group_index: only meaningful at frame/block granularity")
+    if not isinstance(group_index, torch.Tensor) or group_index.dtype != torch.long:
+        raise ValueError(f"group_index: expected a long torch.Tensor [B, N], got {group_index!r:.80}")
+    if tuple(group_index.shape) != (b_count, n_tok) or group_index.device != keys.device:
+        raise ValueError(f"group_index: expected shape [B, N] = {(b_count, n_tok)} on {keys.device}, got "
+                         f"{tuple(group_index.shape)} on {group_index.device}")
+    cand = candidates if candidates is not None else torch.ones_like(group_index, dtype=torch.bool)
+    low = torch.iinfo(torch.long).min
+    seen = torch.cummax(torch.where(cand, group_index, low), dim=-1).values
+    if bool((cand & (group_index < seen)).any()):
+        raise ValueError("group_index: must be non-decreasing along each problem's candidate tokens")
 
 
 def _check_inputs(

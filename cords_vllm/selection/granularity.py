@@ -41,6 +41,44 @@ def group_ids(rank: torch.Tensor, group_size: int) -> torch.Tensor:
     return torch.where(rank >= 0, torch.div(rank, group_size, rounding_mode="floor"), -1)
 
 
+def labelled_group_ids(labels: torch.Tensor, candidates: torch.Tensor, group_size: int
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Groups given by labels: each run of candidates sharing a label (non-decreasing) is one group.
+
+    Parameters
+    ----------
+    labels:
+        ``long [P, N]`` group label of every token (e.g. frame number); read at candidates only.
+    candidates:
+        ``bool [P, N]``.
+    group_size:
+        Largest allowed group (candidates per label).
+
+    Returns
+    -------
+    gid:
+        ``long [P, N]``: ``0..G_p-1`` over the groups of each problem in token order, ``-1`` for
+        protected tokens.
+    count:
+        ``long [P]``: number of groups ``G_p``.
+    """
+    low = torch.iinfo(torch.long).min
+    seen = torch.cummax(torch.where(candidates, labels, low), dim=-1).values
+    previous = torch.cat([torch.full_like(seen[:, :1], low), seen[:, :-1]], dim=-1)
+    first = candidates & (labels != previous)
+    csum = torch.cumsum(first.to(torch.long), dim=-1)
+    gid = torch.where(candidates, csum - 1, -1)
+    count = csum[:, -1] if labels.shape[-1] else torch.zeros(labels.shape[0], dtype=torch.long,
+                                                             device=labels.device)
+    if gid.numel():
+        sizes = torch.zeros((labels.shape[0], labels.shape[1] + 1), dtype=torch.long, device=labels.device)
+        sizes.scatter_add_(1, torch.where(gid >= 0, gid, labels.shape[1]), candidates.to(torch.long))
+        largest = int(sizes[:, :-1].max())
+        if largest > group_size:
+            raise ValueError(f"group_index: a group has {largest} candidates, more than group_size={group_size}")
+    return gid, count
+
+
 def group_centroids(feats: torch.Tensor, gid: torch.Tensor, n_groups: int) -> torch.Tensor:
     """Mean feature of every group.
 

@@ -27,11 +27,11 @@ def _compare(run, ref_result, index=0):
 
 
 @pytest.mark.parametrize("config", [
-    pytest.param({}, id="cords-one-anchor-block"),
+    pytest.param({}, id="cords-one-anchor-frame"),
+    pytest.param({"granularity": "block"}, id="cords-block"),
     pytest.param({"anchors": [0, 2]}, id="cords-two-anchors"),
     pytest.param({"per_head": True, "anchors": "all"}, id="cords-per-head-all-layers"),
     pytest.param({"granularity": "token"}, id="cords-token"),
-    pytest.param({"granularity": "frame"}, id="cords-frame"),
 ])
 def test_compressed_engine_equals_reference(tiny_model, hf_reference, config):
     frames = video(48)

@@ -21,7 +21,7 @@ def test_registry_lists_none_first_then_every_selector():
 def test_defaults():
     cfg = KVPolicyConfig.parse("cords", None)
     assert (cfg.budget, cfg.recent, cfg.slack, cfg.granularity, cfg.per_head, cfg.anchors) == (
-        2048, 512, 512, "block", False, (0,))
+        2048, 512, 512, "frame", False, (0,))
     assert cfg.enabled
     assert not KVPolicyConfig.parse(None, None).enabled
 
@@ -64,6 +64,7 @@ def test_config_without_policy_is_rejected():
 
 def test_layer_schedule():
     one = KVPolicyConfig.parse("cords", {"anchors": [2]})
+    assert KVPolicyConfig.parse("cords", {"anchors": 2}).anchors == one.anchors == (2,)
     assert [one.anchor_of(layer, 4) for layer in range(4)] == [2, 2, 2, 2]
     several = KVPolicyConfig.parse("cords", {"anchors": [0, 2]})
     assert [several.anchor_of(layer, 4) for layer in range(4)] == [0, 0, 2, 2]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from kv_cases import random_candidates, random_kv
 
@@ -89,3 +90,70 @@ def test_shared_candidate_fast_paths_match_the_general_path() -> None:
             slow = group_centroids(feats, group_ids(rank, 4), n_groups)
             assert fast.shape[0] == slow.shape[0] and fast.shape[2] == slow.shape[2]
             assert torch.allclose(fast[:, :n_full], slow[:, :n_full], atol=1e-12)
+
+
+def _labelled_reference(name, keys, values, cand, labels, budget, group_size):
+    """Frame selection with labelled groups, by hand: centroids of each label's candidates, selected as tokens."""
+    b = keys.shape[0]
+    keep = ~cand.clone()
+    for p in range(b):
+        members = {}
+        for i in range(keys.shape[2]):
+            if cand[p, i]:
+                members.setdefault(int(labels[p, i]), []).append(i)
+        groups = [members[k] for k in sorted(members)]
+        ck = torch.stack([keys[p, :, idx].mean(1) for idx in groups], dim=1)[None]  # [1, H, G, D]
+        cv = torch.stack([values[p, :, idx].mean(1) for idx in groups], dim=1)[None]
+        if cand[p].sum() <= budget:
+            keep[p] |= cand[p]
+            continue
+        sel = get_selector(name)
+        frame_aware = {"group_size": 1} if sel.needs_frame_length else {}
+        res = sel.select(ck, cv, budget // group_size, **frame_aware)
+        for gi in res.keep[0].nonzero().flatten().tolist():
+            keep[p, groups[gi]] = True
+    return keep
+
+
+def test_labelled_groups_equal_selecting_their_centroids_as_tokens() -> None:
+    # Frames cut by earlier evictions (sizes 1..4) and protected tokens in between, several problems.
+    g = torch.Generator().manual_seed(5)
+    n, size = 40, 4
+    for trial in range(6):
+        keys, values = random_kv(10 + trial, 3, 2, n, 4)
+        keys, values = keys.double(), values.double()
+        cand = random_candidates(20 + trial, 3, n, 0.8)
+        # random frame cuts, and no frame longer than `size` candidates: both terms are non-decreasing
+        cuts = torch.cumsum(torch.rand(3, n, generator=g) < 0.35, dim=-1)
+        labels = cuts * 100 + torch.cumsum(cand.long(), -1) // size
+        for name in ("cords", "uniform", "recency", "value_norm", "infinipot_v", "k_only", "v_only"):
+            for budget in (4, 9, 16):
+                res = get_selector(name).select(keys, values, budget, candidates=cand, granularity="frame",
+                                                group_size=size, group_index=labels)
+                want = _labelled_reference(name, keys, values, cand, labels, budget, size)
+                assert torch.equal(res.keep, want), (name, budget, trial)
+
+
+def test_labelled_groups_of_full_size_equal_fixed_runs() -> None:
+    keys, values = random_kv(7, 2, 2, 32, 4)
+    cand = torch.ones(2, 32, dtype=torch.bool)
+    cand[:, :4] = False
+    labels = (torch.arange(32) - 4).clamp_min(0).div(4, rounding_mode="floor").expand(2, 32).contiguous()
+    for name in ("cords", "uniform", "infinipot_v"):
+        a = get_selector(name).select(keys, values, 12, candidates=cand, granularity="frame", group_size=4)
+        b = get_selector(name).select(keys, values, 12, candidates=cand, granularity="frame", group_size=4,
+                                      group_index=labels)
+        assert torch.equal(a.keep, b.keep) and torch.equal(a.order, b.order)
+
+
+def test_group_index_is_validated() -> None:
+    keys, values = random_kv(1, 1, 1, 8, 2)
+    sel = get_selector("cords")
+    with pytest.raises(ValueError, match="non-decreasing"):
+        sel.select(keys, values, 2, granularity="frame", group_size=2,
+                   group_index=torch.tensor([[0, 0, 1, 1, 0, 2, 3, 3]]))
+    with pytest.raises(ValueError, match="more than group_size"):
+        sel.select(keys, values, 2, granularity="frame", group_size=2,
+                   group_index=torch.tensor([[0, 0, 0, 1, 2, 2, 3, 3]]))
+    with pytest.raises(ValueError, match="frame/block granularity"):
+        sel.select(keys, values, 2, group_index=torch.zeros(1, 8, dtype=torch.long))
