@@ -10,7 +10,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from cords_vllm.bench.offline import PolicyResult
-from cords_vllm.bench.workload import QUESTION, VideoWorkload
+from cords_vllm.bench.workload import VideoWorkload, VQAWorkload
 from cords_vllm.testing import jpeg_frames_data_url
 
 
@@ -38,9 +38,12 @@ def scrape(base_url: str) -> dict[str, float]:
     return totals
 
 
-def run_http(base_url: str, label: str, workload: VideoWorkload,
-             on_progress: Callable[[int], None] | None = None) -> PolicyResult:
-    """Send the workload to ``base_url`` (streaming chat completions) and measure it."""
+def run_http(base_url: str, label: str, workload: VideoWorkload | VQAWorkload,
+             on_progress: Callable[[int], None] | None = None, poll_seconds: float = 0.25) -> PolicyResult:
+    """Send the workload to ``base_url`` (streaming chat completions) and measure it.
+
+    Blocks in use and running requests are sampled from ``/metrics`` every ``poll_seconds``.
+    """
     from openai import OpenAI
 
     client = OpenAI(base_url=base_url + "/v1", api_key="unused")
@@ -59,7 +62,7 @@ def run_http(base_url: str, label: str, workload: VideoWorkload,
             # kv_cache_usage_perc is a fraction of the pool in vLLM 0.32
             in_use = round(total_blocks * m.get("vllm:kv_cache_usage_perc", 0.0))
             timeline.append((time.perf_counter() - t0, in_use, int(m.get("vllm:num_requests_running", 0))))
-            stop.wait(0.25)
+            stop.wait(poll_seconds)
 
     poller = threading.Thread(target=poll, daemon=True)
     poller.start()
@@ -77,7 +80,7 @@ def run_http(base_url: str, label: str, workload: VideoWorkload,
             extra_body={"ignore_eos": True, "skip_special_tokens": False},
             messages=[{"role": "user", "content": [
                 {"type": "video_url", "video_url": {"url": urls[request.request_id]}},
-                {"type": "text", "text": QUESTION}]}])
+                {"type": "text", "text": request.question}]}])
         first = None
         parts = []
         for chunk in stream:
@@ -89,6 +92,8 @@ def run_http(base_url: str, label: str, workload: VideoWorkload,
                 with lock:
                     usage["prompt"] += chunk.usage.prompt_tokens
                     usage["output"] += chunk.usage.completion_tokens
+                    usage["fewest_prompt"] = min(usage.get("fewest_prompt", chunk.usage.prompt_tokens),
+                                                 chunk.usage.prompt_tokens)
         with lock:
             texts[request.request_id] = "".join(parts)
             if first is not None:
@@ -102,6 +107,11 @@ def run_http(base_url: str, label: str, workload: VideoWorkload,
     stop.set()
     poller.join()
     after = scrape(base_url)
+    if usage.get("fewest_prompt", workload.video_tokens) < workload.video_tokens:
+        raise RuntimeError(
+            f"the server read a {usage['fewest_prompt']}-token prompt for a video of {workload.video_tokens} "
+            f"tokens ({workload.frames} frames): it sampled the frames (vLLM keeps 32 by default). Start it "
+            """with --media-io-kwargs '{"video": {"num_frames": -1}}' to keep every frame.""")
 
     def delta(name):
         return after.get(name, 0.0) - before.get(name, 0.0)

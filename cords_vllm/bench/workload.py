@@ -16,12 +16,20 @@ QUESTION = "What color was the square?"
 
 @dataclass(frozen=True)
 class BenchRequest:
-    """One request: frames ``uint8 [T, H, W, 3]``, its prompt, and when it arrives (seconds from start)."""
+    """One request: frames ``uint8 [T, H, W, 3]``, its prompt, and when it arrives (seconds from start).
+
+    ``question`` is the text a chat request sends after the video (``prompt`` is the raw prompt the chat
+    template renders it to); ``answer`` and ``tag`` (e.g. a question family) are set for questions with a
+    known answer.
+    """
 
     request_id: str
     frames: np.ndarray
     prompt: str
     arrival: float
+    question: str = QUESTION
+    answer: str | None = None
+    tag: str = ""
 
     def engine_input(self) -> dict:
         return {"prompt": self.prompt, "multi_modal_data": {"video": self.frames}}
@@ -60,6 +68,45 @@ class VideoWorkload:
                              frames=make_video(self.frames, self.size, self.size, seed=self.seed + i).frames,
                              arrival=float(arrivals[i]))
                 for i in range(self.num_requests)]
+
+
+@dataclass(frozen=True)
+class VQAWorkload:
+    """``num_requests`` held-out video questions (:mod:`cords_vllm.vqa`) for the trained tiny model.
+
+    All arrive at once; families alternate. ``frames`` frames at 112 x 112 (the training videos had 64;
+    the shipped model answers 128-frame videos as well). Answers are one token.
+    """
+
+    num_requests: int = 8
+    frames: int = 128
+    families: tuple[str, ...] = ("colour", "order", "count", "static")
+    max_tokens: int = 1
+    rate: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_requests < 1 or self.frames < 2 or self.frames % 2:
+            raise ValueError(f"need num_requests >= 1 and an even frames >= 2, got {self.num_requests}, "
+                             f"{self.frames}")
+
+    @property
+    def geometry(self):
+        from cords_vllm.vqa import VideoGeometry
+
+        return VideoGeometry(num_frames=self.frames)
+
+    @property
+    def video_tokens(self) -> int:
+        return self.geometry.num_video_tokens
+
+    def requests(self) -> list[BenchRequest]:
+        from cords_vllm.vqa import make_split
+
+        per_family = -(-self.num_requests // len(self.families))
+        examples = make_split(self.families, per_family, "heldout", geometry=self.geometry)[: self.num_requests]
+        return [BenchRequest(request_id=f"req-{i}", frames=np.array(e.frames), prompt=e.prompt, arrival=0.0,
+                             question=e.question, answer=e.answer, tag=e.family)
+                for i, e in enumerate(examples)]
 
 
 @dataclass(frozen=True)
