@@ -8,6 +8,8 @@ import subprocess
 
 import pytest
 
+from cords_vllm.bench.http import run_http
+from cords_vllm.bench.workload import VideoWorkload
 from cords_vllm.testing import make_video, mp4_data_url
 from cords_vllm.testing.server import VLLMServer, server_env, vllm_executable
 
@@ -58,6 +60,11 @@ def test_serve_cords_answers_concurrent_videos_and_exports_counters(tiny_model):
         assert bench.returncode == 0, bench.stdout[-2000:] + bench.stderr[-2000:]
         assert "Successful requests:                     3" in bench.stdout
         assert _counter(server.get("/metrics")[1], "cords_vllm_compressions_total") > before
+
+        # this server keeps vLLM's default of 32 frames per video: the HTTP benchmark refuses to measure
+        # 40-frame videos it would silently shorten, and names the flag that keeps every frame
+        with pytest.raises(RuntimeError, match="num_frames"):
+            run_http(server.base_url, "cords", VideoWorkload(num_requests=1, frames=40, size=224, max_tokens=1))
 
 
 def bench_serve_command(base_url: str, model: str, tokenizer: str, num_prompts: int) -> list[str]:
