@@ -203,6 +203,9 @@ def plot_accuracy(runs: Sequence[AccuracyRun], out: Path) -> list[Path]:
     if full:
         ax.axhline(100 * full.report["overall"], color="black", linestyle="--", label="full KV")
     ax.set_xscale("log", base=2)
+    ticks = sorted({r.fraction for r in runs if r.fraction is not None})
+    ax.set_xticks(ticks, [f"1/{round(1 / f)}" for f in ticks])
+    ax.minorticks_off()
     ax.set_xlabel("budget (fraction of the video's tokens)")
     ax.set_ylabel("accuracy (%)")
     ax.set_title("Held-out accuracy vs KV budget")
@@ -226,10 +229,10 @@ def plot_accuracy(runs: Sequence[AccuracyRun], out: Path) -> list[Path]:
         ax.set_xticks(np.arange(len(families)) + width * (len(policies) - 1) / 2, families)
         ax.set_title(f"budget 1/{round(1 / fraction)}")
     axes[0][0].set_ylabel("accuracy (%)")
-    axes[0][-1].legend(fontsize=8)
+    axes[0][-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0))  # outside the bars
     fig.tight_layout()
     paths.append(out / "accuracy_by_family.png")
-    fig.savefig(paths[-1], dpi=120)
+    fig.savefig(paths[-1], dpi=120, bbox_inches="tight")
     plt.close(fig)
     return paths
 
