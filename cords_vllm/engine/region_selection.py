@@ -111,21 +111,31 @@ def _select_labelled_frames(selector: Selector, k: torch.Tensor, v: torch.Tensor
                             generator: torch.Generator | None) -> torch.Tensor:
     """``bool [B, T]``: protected tokens plus exactly ``need`` candidates, from whole frames the policy chose.
 
-    Frames may be smaller than ``group_size`` (cut before), so ``ceil(need / group_size)`` frames can hold
-    fewer than ``need`` tokens: the budget grows by one frame until every problem has enough, then each
-    problem keeps its chosen tokens ordered by when the policy chose their frame (oldest token first
-    within a frame), up to ``need``. Only the frames chosen last are trimmed.
+    The newest frame of the region usually continues past the region's edge (the edge is block-aligned):
+    when it holds fewer than ``group_size`` tokens it is kept whole this time, so it is complete, and
+    competes as a whole frame, at the next compression. Other frames may be smaller than ``group_size``
+    too (trimmed before), so ``ceil(n / group_size)`` frames can hold fewer than ``n`` tokens: the budget
+    grows by one frame until every problem has enough; then each problem keeps its chosen tokens ordered by
+    when the policy chose their frame (oldest token first within a frame), up to its count. Only the
+    frames chosen last are trimmed.
     """
-    budget = -(-need // group_size) * group_size
+    low = torch.iinfo(torch.long).min
+    newest = torch.where(cand, labels, low).max(dim=-1, keepdim=True).values  # [B, 1]
+    edge = cand & (labels == newest)
+    n_edge = edge.sum(-1, keepdim=True)
+    edge &= (n_edge < group_size) & (n_edge < need)
+    rest = cand & ~edge
+    still = need - edge.sum(-1)  # [B] candidates to choose besides the edge frame
+    budget = -(-int(still.max()) // group_size) * group_size
     while True:
-        result = selector.select(k, v, budget, candidates=cand, granularity="frame", group_size=group_size,
+        result = selector.select(k, v, budget, candidates=rest, granularity="frame", group_size=group_size,
                                  group_index=labels, generator=generator)
-        chosen = result.keep & cand
-        if int(chosen.sum(-1).min()) >= need:
+        chosen = result.keep & rest
+        if bool((chosen.sum(-1) >= still).all()):
             break
-        budget += group_size  # terminates: a budget >= the candidates keeps them all (> need)
+        budget += group_size  # terminates: a budget >= the candidates keeps them all (> still)
     b, t = cand.shape
-    gid = labelled_group_ids(labels, cand, group_size)[0]
+    gid = labelled_group_ids(labels, rest, group_size)[0]
     n_groups = int(gid.max()) + 1
     when = torch.full((b, n_groups + 1), n_groups, dtype=torch.long, device=cand.device)  # unchosen: last
     order = result.order
@@ -133,12 +143,13 @@ def _select_labelled_frames(selector: Selector, k: torch.Tensor, v: torch.Tensor
         steps = torch.arange(order.shape[-1], device=cand.device).expand_as(order)
         when.scatter_(1, torch.where(order >= 0, order, n_groups), steps)
     when[:, n_groups] = n_groups
-    # every chosen candidate: (when its frame was chosen, token index); keep the first `need`
-    priority = torch.gather(when, 1, torch.where(gid >= 0, gid, n_groups)) * t + torch.arange(t, device=cand.device)
+    # every chosen candidate: (when its frame was chosen, token index); keep the first `still`
+    token = torch.arange(t, device=cand.device)
+    priority = torch.gather(when, 1, torch.where(gid >= 0, gid, n_groups)) * t + token
     priority = torch.where(chosen, priority, torch.iinfo(torch.long).max)
-    first = torch.argsort(priority, dim=-1, stable=True)[:, :need]
-    kept = torch.zeros_like(cand).scatter_(1, first, True)
-    return ~cand | kept
+    rank = torch.empty_like(priority).scatter_(1, torch.argsort(priority, dim=-1, stable=True),
+                                               token.expand(b, t).contiguous())
+    return ~cand | edge | (chosen & (rank < still[:, None]))
 
 
 def result_positions(keep: torch.Tensor) -> torch.Tensor:

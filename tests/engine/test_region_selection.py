@@ -65,3 +65,22 @@ def test_per_head_frames():
     pos = select_region(get_selector("cords"), keys, values, held_ids, spans, 40, granularity="frame",
                         group_size=16, frame_index=frames, per_head=True)
     assert pos.shape == (1, 2, PROTECTED + 40)
+
+
+@pytest.mark.parametrize("policy", ["cords", "uniform", "recency", "infinipot_v"])
+@pytest.mark.parametrize("need", [5, 8, 30, 100])
+def test_the_frame_cut_by_the_region_edge_is_kept_whole(policy, need):
+    # The newest frame holds 7 of its 16 tokens (the rest lies past the block-aligned region edge): it is
+    # kept whole, to compete as a whole frame next time, unless the budget is smaller than it.
+    sizes = [16, 9, 16, 16, 3, 16, 16, 1, 16, 16, 16, 7]
+    keys, values, held_ids, spans, frames = _region(need, sizes=sizes)
+    pos = select_region(get_selector(policy), keys, values, held_ids, spans, need, granularity="frame",
+                        group_size=16, frame_index=frames)
+    assert pos.shape == (1, 2, PROTECTED + need)
+    kept = pos[0, 0]
+    label = frames[0, 0]
+    newest = (label == label[-1]).nonzero().flatten()
+    assert bool(torch.isin(newest, kept).all()) == (need > 7)
+    partial = sum(0 < int(torch.isin(m, kept).sum()) < m.numel()
+                  for m in ((label == x).nonzero().flatten() for x in label[PROTECTED:].unique()))
+    assert partial <= 1
