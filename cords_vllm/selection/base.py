@@ -406,7 +406,7 @@ class Selector(abc.ABC):
         budget = _check_inputs(keys, values, budget, candidates, granularity, group_size, per_head,
                                generator)
         if group_index is not None:
-            _check_group_index(group_index, keys, candidates, granularity)
+            _check_group_index(group_index, keys, granularity)
         if self.needs_frame_length and group_size is None:
             raise ValueError(f"group_size: {self.name} needs group_size = tokens per frame at token "
                              "granularity")
@@ -505,9 +505,9 @@ class Selector(abc.ABC):
 # --------------------------------------------------------------------------------------------------
 
 
-def _check_group_index(group_index: Any, keys: torch.Tensor, candidates: torch.Tensor | None,
-                       granularity: str) -> None:
-    """Validate ``group_index`` (shape, dtype, device, order along the candidates)."""
+def _check_group_index(group_index: Any, keys: torch.Tensor, granularity: str) -> None:
+    """Validate ``group_index``'s type, shape and device (its order is checked where groups are built,
+    :func:`~cords_vllm.selection.granularity.labelled_group_ids`)."""
     b_count, _, n_tok, _ = keys.shape
     if granularity == "token":
         raise ValueError("group_index: only meaningful at frame/block granularity")
@@ -516,11 +516,6 @@ def _check_group_index(group_index: Any, keys: torch.Tensor, candidates: torch.T
     if tuple(group_index.shape) != (b_count, n_tok) or group_index.device != keys.device:
         raise ValueError(f"group_index: expected shape [B, N] = {(b_count, n_tok)} on {keys.device}, got "
                          f"{tuple(group_index.shape)} on {group_index.device}")
-    cand = candidates if candidates is not None else torch.ones_like(group_index, dtype=torch.bool)
-    low = torch.iinfo(torch.long).min
-    seen = torch.cummax(torch.where(cand, group_index, low), dim=-1).values
-    if bool((cand & (group_index < seen)).any()):
-        raise ValueError("group_index: must be non-decreasing along each problem's candidate tokens")
 
 
 def _check_inputs(

@@ -54,6 +54,9 @@ def labelled_group_ids(labels: torch.Tensor, candidates: torch.Tensor, group_siz
     group_size:
         Largest allowed group (candidates per label).
 
+    Raises ``ValueError`` (naming ``group_index``) when labels decrease along the candidates or a group
+    exceeds ``group_size``.
+
     Returns
     -------
     gid:
@@ -64,6 +67,8 @@ def labelled_group_ids(labels: torch.Tensor, candidates: torch.Tensor, group_siz
     """
     low = torch.iinfo(torch.long).min
     seen = torch.cummax(torch.where(candidates, labels, low), dim=-1).values
+    if bool((candidates & (labels < seen)).any()):
+        raise ValueError("group_index: must be non-decreasing along each problem's candidate tokens")
     previous = torch.cat([torch.full_like(seen[:, :1], low), seen[:, :-1]], dim=-1)
     first = candidates & (labels != previous)
     csum = torch.cumsum(first.to(torch.long), dim=-1)
