@@ -24,6 +24,15 @@ def _first_near_max(values: list[float], slack: float) -> int:
     raise AssertionError("unreachable")
 
 
+def seed_features(keys: torch.Tensor, values: torch.Tensor, alpha: float) -> torch.Tensor:
+    """What the seed maximises the norm of: ``k + v``, or keys / values alone at alpha = 1 / 0."""
+    if alpha == 1.0:
+        return keys
+    if alpha == 0.0:
+        return values
+    return keys + values
+
+
 def _cos(x: torch.Tensor, y: torch.Tensor) -> float:
     nx, ny = float(torch.linalg.vector_norm(x)), float(torch.linalg.vector_norm(y))
     if nx == 0.0 or ny == 0.0:
@@ -49,12 +58,7 @@ def brute_force_cords_units(
         return []
 
     # Seed: argmax ||k_i + v_i|| (keys / values only at the alpha endpoints).
-    if alpha == 1.0:
-        seed_feat = keys
-    elif alpha == 0.0:
-        seed_feat = values
-    else:
-        seed_feat = keys + values
+    seed_feat = seed_features(keys, values, alpha)
     norms = [float(torch.linalg.vector_norm(seed_feat[i])) for i in range(n)]
     selected = [_first_near_max(norms, tol * max(norms))]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from brute_force import seed_features
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kv_cases import Case, cases, random_kv
@@ -15,13 +16,7 @@ SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[Healt
 
 def plain_d2(keys: torch.Tensor, values: torch.Tensor, b: int, alpha: float) -> list[int]:
     """Textbook farthest-first (D^2) selection under d_alpha, one problem ``[n, D]``."""
-    if alpha == 1.0:
-        seed_feat = keys
-    elif alpha == 0.0:
-        seed_feat = values
-    else:
-        seed_feat = keys + values
-    chosen = [int(torch.argmax(torch.linalg.vector_norm(seed_feat, dim=-1)))]
+    chosen = [int(torch.argmax(torch.linalg.vector_norm(seed_features(keys, values, alpha), dim=-1)))]
     dist = torch.full((keys.shape[0],), float("inf"), dtype=keys.dtype)
     while len(chosen) < b:
         j = chosen[-1]
