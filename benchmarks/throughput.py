@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             results.append(run_http(args.url, args.label, workload, on_progress=bar.update))
     else:
         from cords_vllm.bench.offline import EngineSettings, run_offline
-        from cords_vllm.testing import TinyModelSpec, build_tiny_qwen2vl
+        from cords_vllm.synthetic import TinyModelSpec, build_tiny_qwen2vl
 
         max_pixels = max(224 * 224, args.size * args.size)
         model = build_tiny_qwen2vl(TinyModelSpec(max_pixels=max_pixels))

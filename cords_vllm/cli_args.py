@@ -1,7 +1,8 @@
 """``--kv-policy`` and ``--kv-policy-config`` for ``vllm serve`` and ``EngineArgs``.
 
 vLLM 0.32 has no hook for a plugin to add command-line flags; an unknown flag exits with status 2. This
-module wraps three ``EngineArgs`` methods, once per process (idempotent):
+module wraps three ``EngineArgs`` methods with the plugin's one patch mechanism
+(:mod:`cords_vllm.engine.patching`: signature-checked, idempotent, all or nothing):
 
 * ``add_cli_args``: adds a "KV policy (cords-vllm)" argument group. ``--kv-policy`` takes its choices
   from the policy registry, so ``--help`` lists them and argparse rejects an unknown name.
@@ -9,8 +10,10 @@ module wraps three ``EngineArgs`` methods, once per process (idempotent):
   offending key) and folds both flags into ``additional_config``, the config entry vLLM already pickles to
   the engine core and the workers.
 * ``create_engine_config``: validates ``additional_config`` once more, so the ``--additional-config`` form and
-  ``LLM(..., additional_config=...)`` get the same start-up errors as the flags, and applies the engine
-  settings an enabled policy needs (:mod:`cords_vllm.engine.engine_args`).
+  ``LLM(..., additional_config=...)`` get the same start-up errors as the flags, applies the engine
+  settings an enabled policy needs (:mod:`cords_vllm.engine.engine_args`), checks the policy against the
+  model in the ``VllmConfig`` vLLM built (:mod:`cords_vllm.startup_checks`), and logs one INFO line naming
+  the policy, every setting in force and every engine setting it changed.
 
 With ``--kv-policy none`` (the default) nothing is added to ``additional_config``.
 """
@@ -18,7 +21,9 @@ With ``--kv-policy none`` (the default) nothing is added to ``additional_config`
 from __future__ import annotations
 
 import argparse
-import functools
+import json
+import logging
+from collections.abc import Callable
 from typing import Any
 
 from cords_vllm.config import (
@@ -30,8 +35,11 @@ from cords_vllm.config import (
     KVPolicyConfigError,
     available_policies,
 )
+from cords_vllm.engine.patching import Patch
+from cords_vllm.engine.patching import install as install_patches
 
-_MARK = "_cords_vllm_wrapped"
+logger = logging.getLogger(__name__)
+
 
 
 def _help_text() -> str:
@@ -77,24 +85,40 @@ def merge_into_additional_config(additional_config: dict[str, Any] | None, polic
     return out
 
 
-def install() -> None:
-    """Wrap ``EngineArgs`` so it knows the KV policy flags. Idempotent."""
-    from vllm.engine.arg_utils import EngineArgs
+def startup_line(policy: KVPolicyConfig, changes: list[str]) -> str:
+    """The one start-up log line: the policy, every setting in force and the engine settings it changed."""
+    settings = json.dumps(policy.settings(), default=str)
+    return (f"cords-vllm: --kv-policy {policy.policy} --kv-policy-config '{settings}'; engine settings changed: "
+            f"{'; '.join(changes) or 'none'}")
 
-    if getattr(EngineArgs.add_cli_args, _MARK, False):
-        return
 
-    original_add = EngineArgs.add_cli_args
-    original_from = EngineArgs.from_cli_args.__func__
-    original_create = EngineArgs.create_engine_config
+def checked_engine_config(engine_args: Any, create: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``create(engine_args, ...)`` (vLLM's ``create_engine_config``) with the KV policy applied and checked.
 
-    @functools.wraps(original_add)
+    Raises :class:`KVPolicyConfigError` for an invalid policy or one the model cannot serve.
+    """
+    from cords_vllm.engine.engine_args import adjust_engine_args
+    from cords_vllm.startup_checks import EngineFacts, check_engine
+
+    policy = KVPolicyConfig.from_additional_config(engine_args.additional_config)
+    changes = adjust_engine_args(engine_args, policy)
+    vllm_config = create(engine_args, *args, **kwargs)
+    if policy.enabled:
+        for warning in check_engine(policy, EngineFacts.from_vllm_config(vllm_config)):
+            logger.warning("cords-vllm: %s", warning)
+        logger.info("%s", startup_line(policy, changes))
+    return vllm_config
+
+
+def _make_add_cli_args(original: Callable) -> Callable:
     def add_cli_args(parser):
-        return add_kv_policy_args(original_add(parser))
+        return add_kv_policy_args(original(parser))
+    return add_cli_args
 
-    @functools.wraps(original_from)
+
+def _make_from_cli_args(original: Callable) -> Callable:
     def from_cli_args(cls, args: argparse.Namespace):
-        engine_args = original_from(cls, args)
+        engine_args = original(cls, args)
         try:
             engine_args.additional_config = merge_into_additional_config(
                 engine_args.additional_config, getattr(args, "kv_policy", None),
@@ -102,17 +126,27 @@ def install() -> None:
         except KVPolicyConfigError as exc:
             raise SystemExit(f"error: --kv-policy / --kv-policy-config: {exc}") from None
         return engine_args
+    return from_cli_args
 
-    @functools.wraps(original_create)
+
+def _make_create_engine_config(original: Callable) -> Callable:
     def create_engine_config(self, *args, **kwargs):
-        from cords_vllm.engine.engine_args import adjust_engine_args
+        return checked_engine_config(self, original, *args, **kwargs)
+    return create_engine_config
 
-        policy = KVPolicyConfig.from_additional_config(self.additional_config)  # raises KVPolicyConfigError
-        adjust_engine_args(self, policy)
-        return original_create(self, *args, **kwargs)
 
-    for fn in (add_cli_args, from_cli_args, create_engine_config):
-        setattr(fn, _MARK, True)
-    EngineArgs.add_cli_args = staticmethod(add_cli_args)
-    EngineArgs.from_cli_args = classmethod(from_cli_args)
-    EngineArgs.create_engine_config = create_engine_config
+CLI_PATCHES: tuple[Patch, ...] = (
+    Patch("vllm.engine.arg_utils:EngineArgs.add_cli_args", ("parser",), _make_add_cli_args,
+          why="no hook for a plugin's command-line flags (an unknown flag exits with status 2): add the KV policy "
+              "argument group"),
+    Patch("vllm.engine.arg_utils:EngineArgs.from_cli_args", ("cls", "args"), _make_from_cli_args,
+          why="fold --kv-policy / --kv-policy-config into additional_config, which vLLM carries to every process"),
+    Patch("vllm.engine.arg_utils:EngineArgs.create_engine_config", ("self", "usage_context", "headless"),
+          _make_create_engine_config,
+          why="apply the engine settings a policy needs, check the policy against the model, log it once"),
+)
+
+
+def install() -> None:
+    """Wrap ``EngineArgs`` so it knows the KV policy flags (idempotent; see :mod:`cords_vllm.engine.patching`)."""
+    install_patches(CLI_PATCHES)

@@ -20,11 +20,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from cords_vllm.selection.base import GRANULARITIES
+
 #: The policy that leaves the engine untouched.
 NO_POLICY = "none"
 ADDITIONAL_CONFIG_POLICY = "kv_policy"
 ADDITIONAL_CONFIG_CONFIG = "kv_policy_config"
-GRANULARITIES = ("token", "frame", "block")
 
 #: Engine keys of ``kv_policy_config``, with their meaning (also the configuration reference in --help).
 ENGINE_KEYS: dict[str, str] = {
@@ -142,6 +143,18 @@ class KVPolicyConfig:
         out = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("policy", "params")}
         out["anchors"] = "all" if self.anchors is None else list(self.anchors)
         return {**out, **dict(self.params)}
+
+    def settings(self) -> dict[str, Any]:
+        """Every setting in force: :meth:`to_json` plus the selector's hyper-parameters left at their defaults.
+
+        Empty for ``none``. The start-up log line shows this, so it says what runs, not only what was given.
+        """
+        if not self.enabled:
+            return {}
+        from cords_vllm.selection import get_selector, selector_params
+
+        selector = get_selector(self.policy, **dict(self.params))
+        return {**self.to_json(), **{name: getattr(selector, name) for name in selector_params(self.policy)}}
 
     def anchor_of(self, layer: int, num_layers: int) -> int:
         """The anchor layer whose selection ``layer`` reuses.

@@ -23,7 +23,7 @@ from pathlib import Path
 from cords_vllm.bench.offline import EngineSettings, PolicyResult, prompt_tokens
 from cords_vllm.bench.report import format_table
 from cords_vllm.bench.workload import VideoWorkload, VQAWorkload
-from cords_vllm.testing.server import VLLMServer
+from cords_vllm.serving.process import VLLMServer
 
 TABLE = [("label", "policy", "{}"), ("peak_kv_blocks", "peak KV blocks", "{}"),
          ("total_kv_blocks", "pool blocks", "{}"), ("peak_running", "peak running", "{}"),
@@ -60,7 +60,7 @@ def build_workload(args: argparse.Namespace) -> tuple[Path, VideoWorkload | VQAW
 
         return shipped_checkpoint(), VQAWorkload(num_requests=args.requests, frames=args.frames,
                                                  max_tokens=args.max_tokens)
-    from cords_vllm.testing import TinyModelSpec, build_tiny_qwen2vl
+    from cords_vllm.synthetic import TinyModelSpec, build_tiny_qwen2vl
 
     print("==> building the tiny random Qwen2-VL (cached after the first run)", flush=True)
     return build_tiny_qwen2vl(TinyModelSpec()), VideoWorkload(

@@ -1,12 +1,23 @@
 """Prometheus metrics of the KV policy on the server's ``/metrics``.
 
 The counters are produced where compression happens (scheduler and workers, in the engine-core process or
-in worker processes), but ``/metrics`` is served by the API-server process, and vLLM 0.32 carries only its
-own fields of ``SchedulerStats`` across that boundary. So each producer publishes its running totals as a
-small JSON file (atomically replaced, only when they change) in a directory the first process creates and its
-child processes inherit through ``CORDS_VLLM_METRICS_DIR``; a Prometheus collector registered in the API
-server sums the files at every scrape. With several API servers (``--api-server-count > 1``) vLLM uses a
-multiprocess registry that does not include this collector.
+in worker processes), but ``/metrics`` is served by the API-server process(es), and vLLM 0.32 carries only
+its own fields of ``SchedulerStats`` across that boundary. So each producer keeps its running totals in
+memory (:meth:`CounterSink.add` runs inside the scheduler and worker steps and must stay cheap: it does no
+file I/O), and a short-lived daemon timer publishes them at most :data:`PUBLISH_INTERVAL_S` seconds after a
+change, plus once at exit; a scrape sees the totals of at most that long ago. Where they are published
+follows where vLLM reads ``/metrics``:
+
+* One API server (the default): ``/metrics`` serves ``prometheus_client``'s global registry. Each producer
+  writes its totals as a small JSON file (atomically replaced) in a directory the first process creates and
+  its child processes inherit through ``CORDS_VLLM_METRICS_DIR``; :class:`PolicyCollector`, registered in
+  the API server's global registry, sums the files at every scrape.
+* Several API servers (``--api-server-count N``): vLLM sets ``PROMETHEUS_MULTIPROC_DIR`` before it starts
+  any engine or API-server process, and every API server answers ``/metrics`` from a fresh registry whose
+  only collector is ``prometheus_client``'s ``MultiProcessCollector`` over that directory (the global
+  registry is not served). So each producer also adds its increments to ordinary ``prometheus_client``
+  counters, which in such a process live in that directory's per-process files; every API server sums the
+  same files and reports the same totals.
 
 Exported counters: ``cords_vllm_compressions_total``, ``cords_vllm_evicted_tokens_total``,
 ``cords_vllm_kept_tokens_total`` (video tokens kept by compressions) and ``cords_vllm_selection_seconds_total``.
@@ -19,9 +30,18 @@ import json
 import os
 import shutil
 import tempfile
+import threading
+import time
+import weakref
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 DIR_ENV = "CORDS_VLLM_METRICS_DIR"
+#: Set by vLLM when several processes serve ``/metrics`` (``--api-server-count > 1``).
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+#: Longest delay between a counter change and its publication (seconds).
+PUBLISH_INTERVAL_S = 0.5
 
 METRICS: dict[str, str] = {
     "compressions": "KV cache compressions carried out by the KV policy",
@@ -30,7 +50,12 @@ METRICS: dict[str, str] = {
     "selection_seconds": "Seconds spent selecting which tokens to keep",
 }
 
+T = TypeVar("T")
+
 _collector_registered = False
+_live_sinks: weakref.WeakSet[CounterSink] = weakref.WeakSet()
+_mp_counters: dict[str, Any] | None = None
+_mp_lock = threading.Lock()
 
 
 def metrics_dir(create: bool = True) -> Path | None:
@@ -45,23 +70,64 @@ def metrics_dir(create: bool = True) -> Path | None:
 
 
 class CounterSink:
-    """Publishes one producer's running totals (e.g. a scheduler, a worker rank)."""
+    """One producer's running totals (e.g. a scheduler, a worker rank), published off the hot path.
 
-    def __init__(self, producer: str) -> None:
+    :meth:`add` only updates memory and, on the first change after a publication, starts a daemon
+    :class:`threading.Timer` that calls :meth:`flush` ``interval`` seconds later; changes in between are
+    published together. :meth:`flush` publishes now (tests, exit).
+    """
+
+    def __init__(self, producer: str, interval: float = PUBLISH_INTERVAL_S) -> None:
         directory = metrics_dir()
         self.path = directory / f"{producer}-{os.getpid()}.json" if directory else None
+        self.interval = interval
         self.totals = dict.fromkeys(METRICS, 0.0)
+        self._lock = threading.Lock()
+        self._publishing = threading.Lock()
+        self._timer: threading.Timer | None = None
+        self._published = dict(self.totals)
+        _live_sinks.add(self)
+        _multiprocess_counters()  # with several API servers, /metrics shows the counters (at 0) from now on
 
     def add(self, **increments: float) -> None:
+        """Add to the totals (in memory only); they are published within ``interval`` seconds."""
         unknown = set(increments) - set(METRICS)
         if unknown:
             raise KeyError(f"unknown KV policy metrics {sorted(unknown)}")
-        for name, value in increments.items():
-            self.totals[name] += value
-        if self.path is not None and self.path.parent.is_dir():
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(self.totals))
-            os.replace(tmp, self.path)
+        with self._lock:
+            for name, value in increments.items():
+                self.totals[name] += value
+            if self._timer is None:
+                self._timer = threading.Timer(self.interval, self.flush)
+                self._timer.daemon = True
+                self._timer.start()
+
+    def flush(self) -> None:
+        """Publish the current totals now (skipped when unchanged since the last publication)."""
+        with self._publishing:  # one publication at a time, so a later one never lands before an earlier one
+            with self._lock:
+                timer, self._timer = self._timer, None
+                totals = dict(self.totals)
+            if timer is not None and timer is not threading.current_thread():
+                timer.cancel()
+            published, self._published = self._published, totals
+            if totals == published:
+                return
+            counters = _multiprocess_counters()
+            if counters is not None:
+                for name, total in totals.items():
+                    if total > published[name]:
+                        counters[name].inc(total - published[name])
+            if self.path is not None and self.path.parent.is_dir():
+                tmp = self.path.with_suffix(".tmp")
+                tmp.write_text(json.dumps(totals))
+                os.replace(tmp, self.path)
+
+
+@atexit.register
+def _flush_at_exit() -> None:
+    for sink in list(_live_sinks):
+        sink.flush()
 
 
 def read_totals(directory: Path | None = None) -> dict[str, float]:
@@ -91,8 +157,23 @@ class PolicyCollector:
             yield CounterMetricFamily(f"cords_vllm_{name}", help_text, value=totals[name])
 
 
+def await_published(scrape: Callable[[], T], ready: Callable[[T], bool],
+                    timeout: float = 20 * PUBLISH_INTERVAL_S) -> T:
+    """Call ``scrape`` (e.g. read ``/metrics``) until ``ready`` accepts its result, and return that result.
+
+    For clients that need counters to include changes made just now: a change reaches ``/metrics`` up to
+    :data:`PUBLISH_INTERVAL_S` later. Raises ``TimeoutError`` (with the last result) after ``timeout`` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    while not ready(result := scrape()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not published within {timeout:.1f}s; last scrape: {result!r}"[:2000])
+        time.sleep(PUBLISH_INTERVAL_S / 5)
+    return result
+
+
 def register_collector() -> None:
-    """Create the metrics directory and register the collector in this process (idempotent)."""
+    """Create the metrics directory and register :class:`PolicyCollector` in this process (idempotent)."""
     global _collector_registered
     if _collector_registered:
         return
@@ -103,3 +184,22 @@ def register_collector() -> None:
         return
     REGISTRY.register(PolicyCollector())
     _collector_registered = True
+
+
+def _multiprocess_counters() -> dict[str, Any] | None:
+    """This process's ``prometheus_client`` counters in ``PROMETHEUS_MULTIPROC_DIR``, or ``None`` when unset.
+
+    ``prometheus_client`` keeps one file per process and metric type there, shared by every counter of the
+    process, so these are ordinary ``Counter`` objects (not registered anywhere: vLLM's multiprocess
+    collector reads the files).
+    """
+    global _mp_counters
+    if not os.environ.get(MULTIPROC_ENV):
+        return None
+    with _mp_lock:
+        if _mp_counters is None:
+            from prometheus_client import Counter
+
+            _mp_counters = {name: Counter(f"cords_vllm_{name}", help_text, registry=None)
+                            for name, help_text in METRICS.items()}
+        return _mp_counters

@@ -1,9 +1,10 @@
 """vLLM general-plugin entry point (group ``vllm.general_plugins``).
 
 vLLM calls :func:`register` once in each of its processes (API server, engine core, every worker). It
-checks the vLLM version, adds the ``--kv-policy`` flags and installs the engine patches
-(:mod:`cords_vllm.engine.patches`). Every step is idempotent and safe in any process; with
-``--kv-policy none`` the patched methods call straight through.
+puts the plugin's loggers under vLLM's logging configuration (:mod:`cords_vllm.log`), checks the vLLM
+version, adds the ``--kv-policy`` flags, installs the engine patches (:mod:`cords_vllm.engine.patches`) and
+the ``/metrics`` collector (:mod:`cords_vllm.observability`). Every step is idempotent and safe in any
+process; with ``--kv-policy none`` the patched methods call straight through.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ def register() -> None:
         return
     from cords_vllm import cli_args, observability
     from cords_vllm.engine import patches
+    from cords_vllm.log import follow_vllm_logging
     from cords_vllm.version_guard import check_vllm_version
 
+    follow_vllm_logging()
     version = check_vllm_version()
     cli_args.install()
     patches.install()

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from cords_vllm.testing import TinyModelSpec, build_tiny_qwen2vl
+from cords_vllm.synthetic import TinyModelSpec, build_tiny_qwen2vl
 from cords_vllm.threads import intra_op_threads
 
 #: Test directories of pure-torch code on tiny tensors, run with one intra-op thread (see cords_vllm.threads).
-ONE_THREAD_DIRS = ("selection", "metrics")
+ONE_THREAD_DIRS = ("selection", "metrics", "compress")
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -9,7 +9,7 @@ tokens are recent by construction.
 Sanity controls, printed with the results: the needle frames blanked (accuracy must fall to chance), and an
 oracle that keeps exactly the needle's tokens (must match the full cache). The oracle needs per-request
 knowledge no ``--kv-policy`` selector has, so it runs in the HF reference
-(:mod:`cords_vllm.testing.hf_reference`), which the tests prove equal to the engine for the same evictions.
+(:mod:`cords_vllm.reference.hf`), which the tests prove equal to the engine for the same evictions.
 """
 
 from __future__ import annotations
@@ -80,8 +80,8 @@ def run_policy(checkpoint: str | Path, examples: Sequence[VQAExample], spec: Pol
     """
     from vllm import SamplingParams
 
-    from cords_vllm.engine.planner import RequestCompressionState, held_video_tokens
-    from cords_vllm.testing.engine import engine_core, make_llm
+    from cords_vllm.inprocess import make_llm
+    from cords_vllm.introspect import observe_steps, requests_of
 
     kwargs = engine_args(checkpoint, examples, shape)
     model = kwargs.pop("model")
@@ -90,27 +90,16 @@ def run_policy(checkpoint: str | Path, examples: Sequence[VQAExample], spec: Pol
     if spec.policy != "none":
         kwargs.update(kv_policy_args(spec.policy, **{**spec.config, "budget": budget, "slack": 0}))
     llm = make_llm(model, **kwargs)
-    scheduler = engine_core(llm).scheduler
     held_at_answer: list[int] = []
-    original = scheduler.schedule
 
-    def schedule(*args, **kw):
-        out = original(*args, **kw)
-        comp = scheduler.__dict__.get("_cords_compressor")
-        for request in scheduler.running:
-            if request.num_computed_tokens == request.num_prompt_tokens and request.request_id in \
-                    out.num_scheduled_tokens and request.num_output_tokens == 0:
-                if comp is None:
-                    from cords_vllm.engine.scheduler import video_spans
+    def observe(scheduler, out) -> None:
+        answering = [r.request_id for r in scheduler.running if r.num_computed_tokens == r.num_prompt_tokens
+                     and r.request_id in out.num_scheduled_tokens and r.num_output_tokens == 0]
+        if answering:
+            held = requests_of(scheduler)
+            held_at_answer.extend(held[r].held_video_tokens for r in answering)
 
-                    held_at_answer.append(video_spans(request).total)
-                else:
-                    state = comp.states.get(request.request_id, RequestCompressionState())
-                    held_at_answer.append(held_video_tokens(state, comp.spans_of(request), request.num_prompt_tokens,
-                                                            comp.block_size))
-        return out
-
-    scheduler.schedule = schedule
+    observe_steps(llm, observe)
     outputs = llm.generate([e.vllm_request() for e in examples], SamplingParams(temperature=0.0, max_tokens=1),
                            use_tqdm=False)
     del llm
@@ -134,7 +123,7 @@ def blank_needles(example: VQAExample) -> VQAExample:
 
 def oracle_predictions(checkpoint: str | Path, examples: Sequence[VQAExample]) -> list[str]:
     """HF reference answers when, after the video, the cache keeps exactly the needle's video tokens."""
-    from cords_vllm.testing.hf_reference import HFQwen2VLReference
+    from cords_vllm.reference.hf import HFQwen2VLReference
 
     ref = HFQwen2VLReference(str(checkpoint))
     tok = ref.processor.tokenizer
@@ -158,8 +147,8 @@ def coverage_on_model(checkpoint: str | Path, examples: Sequence[VQAExample], fr
                       ) -> dict[str, Any]:
     """Coverage CDFs (joint, K-only, V-only) of each policy on the model's real video keys/values."""
     from cords_vllm.metrics.coverage import coverage_curves
+    from cords_vllm.reference.hf import HFQwen2VLReference
     from cords_vllm.selection import get_selector
-    from cords_vllm.testing.hf_reference import HFQwen2VLReference
 
     ref = HFQwen2VLReference(str(checkpoint))
     per_frame = examples[0].geometry.tokens_per_patch

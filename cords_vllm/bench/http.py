@@ -11,7 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from cords_vllm.bench.offline import PolicyResult
 from cords_vllm.bench.workload import VideoWorkload, VQAWorkload
-from cords_vllm.testing import jpeg_frames_data_url
+from cords_vllm.observability import PUBLISH_INTERVAL_S
+from cords_vllm.synthetic import jpeg_frames_data_url
 
 
 def _metrics_text(base_url: str) -> str:
@@ -106,6 +107,7 @@ def run_http(base_url: str, label: str, workload: VideoWorkload | VQAWorkload,
     wall = time.perf_counter() - t0
     stop.set()
     poller.join()
+    time.sleep(2 * PUBLISH_INTERVAL_S)  # the plugin publishes its counters at most this late
     after = scrape(base_url)
     if usage.get("fewest_prompt", workload.video_tokens) < workload.video_tokens:
         raise RuntimeError(

@@ -19,6 +19,7 @@ import numpy as np
 
 from cords_vllm.bench.workload import PolicySpec, VideoWorkload
 from cords_vllm.config import kv_policy_args
+from cords_vllm.utils import cdiv
 
 
 @dataclass
@@ -101,7 +102,7 @@ class EngineSettings:
 
     def engine_kwargs(self, model_dir: str | Path, workload: VideoWorkload, prompt_tokens: int) -> dict[str, Any]:
         dtype_bytes = 4 if self.dtype == "float32" else 2
-        per_video = -(-(prompt_tokens + workload.max_tokens) // self.block_size)
+        per_video = cdiv(prompt_tokens + workload.max_tokens, self.block_size)
         max_len = per_video * self.block_size
         # vLLM's start-up check needs one max_model_len request to fit in the pool
         blocks = max(int(self.pool_videos * per_video), per_video) + 1
@@ -121,7 +122,8 @@ def run_offline(model_dir: str | Path, spec: PolicySpec, workload: VideoWorkload
     """Run ``workload`` through a fresh in-process engine with policy ``spec``."""
     from vllm import SamplingParams
 
-    from cords_vllm.testing.engine import engine_core, make_llm, model_runner, record_steps
+    from cords_vllm.inprocess import make_llm
+    from cords_vllm.introspect import record_steps, snapshot
 
     requests = workload.requests()
     kwargs = {}
@@ -130,7 +132,6 @@ def run_offline(model_dir: str | Path, spec: PolicySpec, workload: VideoWorkload
     prompt_len = prompt_tokens(model_dir, requests[0].prompt, workload)
     llm = make_llm(model_dir, **settings.engine_kwargs(model_dir, workload, prompt_len), **kwargs)
     engine = llm.llm_engine
-    scheduler = engine_core(llm).scheduler
     steps = record_steps(llm)
     params = SamplingParams(temperature=0.0, max_tokens=workload.max_tokens, ignore_eos=True)
     pending = sorted(requests, key=lambda r: r.arrival)
@@ -158,18 +159,17 @@ def run_offline(model_dir: str | Path, spec: PolicySpec, workload: VideoWorkload
                 if on_progress:
                     on_progress(1)
     wall = time.perf_counter() - steps.started
-    worker = model_runner(llm).__dict__.get("_cords_worker")
-    compressor = scheduler.__dict__.get("_cords_compressor")
+    state = snapshot(llm)
     result = PolicyResult(
         label=spec.label, policy=spec.policy, config=spec.config, num_requests=len(requests), wall_seconds=wall,
         prompt_tokens=served_prompt_tokens, output_tokens=sum(len(a) for a in answers.values()),
         ttft_seconds=[first_token[r] - arrival[r] for r in first_token], peak_running=steps.peak_running,
         peak_blocks_in_use=steps.peak_blocks, total_blocks=steps.total_blocks,
         preemptions=steps.preemptions, peak_decoding=steps.peak_decoding,
-        compressions=int(compressor.sink.totals["compressions"]) if compressor else 0,
-        selection_seconds=worker.stats.selection_seconds if worker else 0.0, timeline=steps.timeline, answers=answers,
+        compressions=state.compressions, selection_seconds=state.selection_seconds, timeline=steps.timeline,
+        answers=answers,
     )
-    del llm, engine, scheduler
+    del llm, engine
     gc.collect()
     return result
 

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cords_vllm.testing import make_video, video_tokens
+from cords_vllm.synthetic import make_video, video_tokens
+from cords_vllm.utils import cdiv
 
 #: The prompt the tiny model was built for (no system text): vision placeholder then the question.
 PROMPT = ("<|im_start|>user\n<|vision_start|><|video_pad|><|vision_end|>{question}<|im_end|>\n"
@@ -102,7 +103,7 @@ class VQAWorkload:
     def requests(self) -> list[BenchRequest]:
         from cords_vllm.vqa import make_split
 
-        per_family = -(-self.num_requests // len(self.families))
+        per_family = cdiv(self.num_requests, len(self.families))
         examples = make_split(self.families, per_family, "heldout", geometry=self.geometry)[: self.num_requests]
         return [BenchRequest(request_id=f"req-{i}", frames=np.array(e.frames), prompt=e.prompt, arrival=0.0,
                              question=e.question, answer=e.answer, tag=e.family)

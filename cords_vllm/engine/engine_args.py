@@ -1,6 +1,7 @@
 """Engine settings the KV policy needs, applied to ``EngineArgs`` before vLLM builds its config.
 
-Each adjustment is logged. None is applied with ``--kv-policy none``.
+None is applied with ``--kv-policy none``. :func:`adjust_engine_args` returns what it changed, so that the
+start-up line (:mod:`cords_vllm.cli_args`) names every change next to the policy's settings.
 
 * Prefix caching off: compression rewrites a request's blocks in place, so a block must never be shared
   with, or served from the prefix cache to, another request.
@@ -13,45 +14,48 @@ Each adjustment is logged. None is applied with ``--kv-policy none``.
 
 from __future__ import annotations
 
-import logging
 import os
 from typing import Any
 
 from cords_vllm.config import KVPolicyConfig, KVPolicyConfigError
 
-logger = logging.getLogger(__name__)
 
+def adjust_engine_args(engine_args: Any, policy: KVPolicyConfig) -> list[str]:
+    """Mutate ``engine_args`` (a vLLM ``EngineArgs``) for an enabled policy; returns the changes made.
 
-def adjust_engine_args(engine_args: Any, policy: KVPolicyConfig) -> None:
-    """Mutate ``engine_args`` (a vLLM ``EngineArgs``) for an enabled policy."""
+    Each change is a short phrase with its reason, e.g. ``"prefix caching off (...)"``; the list is empty
+    when nothing had to change (or the policy is ``none``).
+    """
     if not policy.enabled:
-        return
+        return []
     if getattr(engine_args, "speculative_config", None):
         raise KVPolicyConfigError(f"--kv-policy {policy.policy} does not support speculative decoding")
+    changes = []
     if engine_args.enable_prefix_caching is not False:
-        logger.info("cords-vllm: --kv-policy %s turns prefix caching off (compressed blocks are rewritten "
-                    "in place and must not be shared)", policy.policy)
         engine_args.enable_prefix_caching = False
+        changes.append("prefix caching off (compressed blocks are rewritten in place and must not be shared)")
     from vllm.platforms import current_platform
 
     if current_platform.is_cuda_alike():
         if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") != "0":
-            logger.info("cords-vllm: --kv-policy %s selects vLLM's V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0)",
-                        policy.policy)
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
-        if not engine_args.enforce_eager:
-            _force_piecewise_cudagraphs(engine_args, policy)
+            changes.append("V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0; Model Runner V2 is not supported yet)")
+        if not engine_args.enforce_eager and _force_piecewise_cudagraphs(engine_args):
+            changes.append("piecewise CUDA graphs (full graphs would replay a stale attention view of "
+                           "compressed rows)")
+    return changes
 
 
-def _force_piecewise_cudagraphs(engine_args: Any, policy: KVPolicyConfig) -> None:
+def _force_piecewise_cudagraphs(engine_args: Any) -> bool:
+    """Turn full CUDA graphs into piecewise ones; ``True`` if the mode changed."""
     from vllm.config import CompilationConfig
     from vllm.config.compilation import CUDAGraphMode
 
     cc = engine_args.compilation_config
     if isinstance(cc, dict):
         cc = CompilationConfig(**cc)
-    if cc.cudagraph_mode is None or cc.cudagraph_mode.has_full_cudagraphs():
-        logger.info("cords-vllm: --kv-policy %s uses piecewise CUDA graphs (full graphs would replay a stale "
-                    "attention view of compressed rows)", policy.policy)
-        cc.cudagraph_mode = CUDAGraphMode.PIECEWISE
     engine_args.compilation_config = cc
+    if cc.cudagraph_mode is None or cc.cudagraph_mode.has_full_cudagraphs():
+        cc.cudagraph_mode = CUDAGraphMode.PIECEWISE
+        return True
+    return False

@@ -1,180 +1,174 @@
-"""The runtime patches the KV policy needs in vLLM 0.32, in one place.
+"""The engine patches the KV policy needs in vLLM 0.32: one table, installed by :mod:`cords_vllm.engine.patching`.
 
-vLLM 0.32 has no extension point for evicting tokens from a running request's paged KV cache. Each patch
-below wraps one engine method, says what vLLM lacks, and is:
-
-* **version-guarded**: the wrapped function's parameter names are checked against the 0.32 signature when
-  the plugin loads; a mismatch refuses to start (naming the function) instead of misbehaving;
-* **idempotent**: a marker attribute on the wrapper, so loading the plugin twice in a process is harmless;
-* **off with ``--kv-policy none``**: each wrapper looks up the engine object's policy once (cached on the
-  object) and calls straight through when there is none.
-
-The same changes, as upstream would make them, are the patch series in ``patches/`` at the repository root.
+Each wrapper looks up the engine object's state once (:mod:`cords_vllm.engine.attach`) and calls straight
+through when the policy is ``none``. The same changes, as upstream would make them, are the patch series in
+``patches/`` at the repository root.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
-import logging
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from cords_vllm.config import KVPolicyConfig
+from cords_vllm.engine.attach import attach, attached
+from cords_vllm.engine.patching import EngineSignatureError, Patch, installed
+from cords_vllm.engine.patching import install as install_patches
 
-logger = logging.getLogger(__name__)
-
-_MARK = "_cords_vllm_patch"
-_UNSET = object()
-
-
-class EngineSignatureError(RuntimeError):
-    """A patched vLLM function does not have the signature the plugin was written against."""
+#: ``callback(scheduler, scheduler_output)`` after every ``Scheduler.schedule`` (see :func:`observe_steps`).
+StepObserver = Callable[[Any, Any], None]
+_MISSING: Any = object()
 
 
-def _check_signature(owner: type, name: str, params: tuple[str, ...], keywords: tuple[str, ...] = ()) -> Callable:
-    fn = getattr(owner, name)
-    fn = getattr(fn, "__wrapped__", fn) if getattr(fn, _MARK, False) else fn
-    got = tuple(inspect.signature(fn).parameters)
-    if got[: len(params)] != params or not set(keywords) <= set(got):
-        raise EngineSignatureError(
-            f"cords-vllm: {owner.__module__}.{owner.__qualname__}.{name}{got} does not match the vLLM 0.32 "
-            f"signature {params} (+ keywords {keywords}) it patches; this vLLM build is not supported")
-    return fn
+def policy_of(vllm_config: Any) -> KVPolicyConfig | None:
+    """The enabled policy of an engine (``None`` for ``--kv-policy none``)."""
+    config = KVPolicyConfig.from_vllm_config(vllm_config)
+    return config if config.enabled else None
 
 
-def _wrap(owner: type, name: str, params: tuple[str, ...], make: Callable[[Callable], Callable],
-          keywords: tuple[str, ...] = ()) -> None:
-    current = getattr(owner, name)
-    if getattr(current, _MARK, False):
-        return
-    original = _check_signature(owner, name, params, keywords)
-    wrapper = functools.wraps(original)(make(original))
-    setattr(wrapper, _MARK, True)
-    setattr(owner, name, wrapper)
+@dataclass
+class SchedulerHooks:
+    """Per-scheduler plugin state: its compressor (``None`` without a policy) and step observers."""
+
+    compressor: Any
+    observers: list[StepObserver] = field(default_factory=list)
 
 
-def policy_of(obj: Any, vllm_config: Any) -> KVPolicyConfig | None:
-    """The enabled policy of an engine object (cached on it), or ``None``."""
-    cached = obj.__dict__.get("_cords_policy", _UNSET)
-    if cached is _UNSET:
-        config = KVPolicyConfig.from_vllm_config(vllm_config)
-        cached = config if config.enabled else None
-        obj.__dict__["_cords_policy"] = cached
-    return cached
+def scheduler_hooks(scheduler: Any) -> SchedulerHooks:
+    """The scheduler's :class:`SchedulerHooks`, created (with its compressor) on first use."""
+    hooks = attached(scheduler, _MISSING)
+    if hooks is _MISSING:
+        from cords_vllm.engine.scheduler import SchedulerCompressor
+
+        policy = policy_of(scheduler.vllm_config)
+        hooks = SchedulerHooks(SchedulerCompressor(policy, scheduler) if policy else None)
+        attach(scheduler, hooks)
+        attach(scheduler.kv_cache_manager, hooks.compressor)
+    return hooks
+
+
+def observe_steps(scheduler: Any, observer: StepObserver) -> Callable[[], None]:
+    """Call ``observer(scheduler, output)`` after every step of ``scheduler``; returns an unsubscribe."""
+    observers = scheduler_hooks(scheduler).observers
+    observers.append(observer)
+    return lambda: observers.remove(observer)
+
+
+def worker_compressor(runner: Any) -> Any:
+    """The model runner's worker compressor (``None`` without a policy), created on first use."""
+    comp = attached(runner, _MISSING)
+    if comp is _MISSING:
+        from cords_vllm.engine.worker import WorkerCompressor
+
+        policy = policy_of(runner.vllm_config)
+        comp = WorkerCompressor(policy, runner) if policy else None
+        attach(runner, comp)
+        if comp is not None:
+            for groups in runner.attn_groups:
+                for group in groups:
+                    attach(group, (comp, runner))
+    return comp
 
 
 # ------------------------------------------------------------------------------------------------------
-# Scheduler: decide compressions before the step allocates (vLLM has no hook between steps that may
-# change a running request's blocks).
-# ------------------------------------------------------------------------------------------------------
-def _patch_scheduler() -> None:
-    from vllm.v1.core.sched.scheduler import Scheduler
-
-    from cords_vllm.engine.scheduler import SchedulerCompressor
-
-    def compressor(sched: Any) -> SchedulerCompressor | None:
-        comp = sched.__dict__.get("_cords_compressor", _UNSET)
-        if comp is _UNSET:
-            policy = policy_of(sched, sched.vllm_config)
-            comp = SchedulerCompressor(policy, sched) if policy else None
-            sched.__dict__["_cords_compressor"] = comp
-            if comp is not None:
-                sched.kv_cache_manager.__dict__["_cords_compressor"] = comp
-        return comp
-
-    def make_schedule(original: Callable) -> Callable:
-        def schedule(self, *args, **kwargs):
-            comp = compressor(self)
-            if comp is None:
-                return original(self, *args, **kwargs)
+def _make_schedule(original: Callable) -> Callable:
+    def schedule(self, *args, **kwargs):
+        hooks = scheduler_hooks(self)
+        comp = hooks.compressor
+        if comp is not None:
             comp.before_schedule(self)
-            output = original(self, *args, **kwargs)
+        output = original(self, *args, **kwargs)
+        if comp is not None:
             comp.after_schedule(output)
-            return output
-        return schedule
-
-    _wrap(Scheduler, "schedule", ("self",), make_schedule)
-
-
-# ------------------------------------------------------------------------------------------------------
-# KV cache manager: admission reserves a request's whole prompt; cap it at the compressed footprint
-# (vLLM's cap, ``max_admission_blocks_per_request``, is per manager and meant for sliding windows) and keep
-# free the blocks admitted compressed requests will still grow into (``reserved_blocks``).
-# ------------------------------------------------------------------------------------------------------
-def _patch_admission() -> None:
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
-
-    def make_allocate_slots(original: Callable) -> Callable:
-        def allocate_slots(self, request, *args, **kwargs):
-            comp = self.__dict__.get("_cords_compressor")
-            if comp is None:
-                return original(self, request, *args, **kwargs)
-            manager = comp.manager
-            saved = manager.max_admission_blocks_per_request
-            manager.max_admission_blocks_per_request = comp.admission_cap(request)
-            kwargs["reserved_blocks"] = kwargs.get("reserved_blocks", 0) + comp.growth_reserve(request)
-            try:
-                return original(self, request, *args, **kwargs)
-            finally:
-                manager.max_admission_blocks_per_request = saved
-        return allocate_slots
-
-    _wrap(KVCacheManager, "allocate_slots", ("self", "request", "num_new_tokens"), make_allocate_slots,
-          keywords=("reserved_blocks",))
+        for observer in hooks.observers:
+            observer(self, output)
+        return output
+    return schedule
 
 
-# ------------------------------------------------------------------------------------------------------
-# Model runner: carry out the plans after the step's block ids are applied and before the forward
-# (vLLM's KV connector worker hook runs before new block ids are appended and cannot edit rows).
-# ------------------------------------------------------------------------------------------------------
-def _patch_model_runner() -> None:
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    from cords_vllm.engine.worker import WorkerCompressor
-
-    def make_update_states(original: Callable) -> Callable:
-        def _update_states(self, scheduler_output):
-            result = original(self, scheduler_output)
-            comp = self.__dict__.get("_cords_worker", _UNSET)
-            if comp is _UNSET:
-                policy = policy_of(self, self.vllm_config)
-                comp = WorkerCompressor(policy, self) if policy else None
-                self.__dict__["_cords_worker"] = comp
-                if comp is not None:
-                    for groups in self.attn_groups:
-                        for group in groups:
-                            group.__dict__["_cords_view"] = True
-            if comp is not None:
-                comp.on_step(self, scheduler_output)
-            return result
-        return _update_states
-
-    _wrap(GPUModelRunner, "_update_states", ("self", "scheduler_output"), make_update_states)
+def _make_allocate_slots(original: Callable) -> Callable:
+    def allocate_slots(self, request, *args, **kwargs):
+        comp = attached(self, None)
+        if comp is None:
+            return original(self, request, *args, **kwargs)
+        manager = comp.manager
+        saved = manager.max_admission_blocks_per_request
+        manager.max_admission_blocks_per_request = comp.admission_cap(request)
+        kwargs["reserved_blocks"] = kwargs.get("reserved_blocks", 0) + comp.growth_reserve(request)
+        try:
+            return original(self, request, *args, **kwargs)
+        finally:
+            manager.max_admission_blocks_per_request = saved
+    return allocate_slots
 
 
-# ------------------------------------------------------------------------------------------------------
-# Attention metadata: kernels must see compressed rows compacted (no "holes" concept in vLLM's kernels).
-# ------------------------------------------------------------------------------------------------------
-def _patch_attention_metadata() -> None:
-    from vllm.v1.worker.utils import AttentionGroup
+def _make_reserve_prefill_lookahead(original: Callable) -> Callable:
+    def _reserve_prefill_lookahead(self, request, num_computed_tokens, num_new_tokens):
+        comp = scheduler_hooks(self).compressor
+        if comp is not None and num_new_tokens > 0:
+            limit = comp.chunk_limit(request, num_computed_tokens)
+            if limit is not None:
+                num_new_tokens = min(num_new_tokens, limit)
+        return original(self, request, num_computed_tokens, num_new_tokens)
+    return _reserve_prefill_lookahead
 
+
+def _make_update_states(original: Callable) -> Callable:
+    def _update_states(self, scheduler_output):
+        result = original(self, scheduler_output)
+        comp = worker_compressor(self)
+        if comp is not None:
+            comp.on_step(self, scheduler_output)
+        return result
+    return _update_states
+
+
+def _make_build_metadata(original: Callable) -> Callable:
     from cords_vllm.engine.attention_view import physical_view
 
-    def make_build_metadata(original: Callable) -> Callable:
-        def build_metadata(self, common_attn_metadata, *args, **kwargs):
-            if self.__dict__.get("_cords_view"):
-                common_attn_metadata = physical_view(common_attn_metadata, self.kv_cache_spec.block_size)
-            return original(self, common_attn_metadata, *args, **kwargs)
-        return build_metadata
+    def build_metadata(self, common_attn_metadata, *args, **kwargs):
+        owner = attached(self, None)
+        if owner is not None:
+            comp, runner = owner
+            holes = comp.holes(runner.input_batch)
+            if holes:
+                common_attn_metadata = physical_view(common_attn_metadata, holes, self.kv_cache_spec.block_size)
+        return original(self, common_attn_metadata, *args, **kwargs)
+    return build_metadata
 
-    _wrap(AttentionGroup, "build_metadata", ("self", "common_attn_metadata", "ubatch_idx", "common_prefix_len"),
-          make_build_metadata)
+
+ENGINE_PATCHES: tuple[Patch, ...] = (
+    Patch("vllm.v1.core.sched.scheduler:Scheduler.schedule", ("self",), _make_schedule,
+          why="no hook between steps may change a running request's blocks: compress before the step allocates",
+          upstream="patches/0001-scheduler-kv-compactor-hook.patch"),
+    Patch("vllm.v1.core.sched.scheduler:Scheduler._reserve_prefill_lookahead",
+          ("self", "request", "num_computed_tokens", "num_new_tokens"), _make_reserve_prefill_lookahead,
+          why="a prefill chunk ends wherever the batch's token budget runs out (and a lone request is never "
+              "chunked); end it at the request's next compression point, so what a request keeps does not "
+              "depend on batching or chunk settings",
+          upstream="patches/0005-scheduler-chunk-end-at-compression-points.patch"),
+    Patch("vllm.v1.core.kv_cache_manager:KVCacheManager.allocate_slots", ("self", "request", "num_new_tokens"),
+          _make_allocate_slots, keywords=("reserved_blocks",),
+          why="admission reserves a request's whole prompt; cap it at the compressed footprint and keep free "
+              "the blocks admitted compressed requests will still grow into",
+          upstream="patches/0002-kv-cache-manager-admission-policy.patch"),
+    Patch("vllm.v1.worker.gpu_model_runner:GPUModelRunner._update_states", ("self", "scheduler_output"),
+          _make_update_states,
+          why="the KV connector's worker hook runs before new block ids are appended and cannot edit rows: "
+              "carry out the plans after the step's block ids are applied and before the forward",
+          upstream="patches/0003-model-runner-kv-compactor-hook.patch"),
+    Patch("vllm.v1.worker.utils:AttentionGroup.build_metadata",
+          ("self", "common_attn_metadata", "ubatch_idx", "common_prefix_len"), _make_build_metadata,
+          why="attention kernels have no notion of holes in a row: show them compressed rows compacted",
+          upstream="patches/0004-attention-null-block-holes.patch"),
+)
 
 
 def install() -> None:
     """Install every engine patch (idempotent). Raises :class:`EngineSignatureError` on a foreign vLLM."""
-    _patch_scheduler()
-    _patch_admission()
-    _patch_model_runner()
-    _patch_attention_metadata()
+    install_patches(ENGINE_PATCHES)
+
+
+__all__ = ["ENGINE_PATCHES", "EngineSignatureError", "install", "installed", "observe_steps", "scheduler_hooks",
+           "worker_compressor"]

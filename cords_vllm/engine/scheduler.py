@@ -1,7 +1,7 @@
 """Scheduler side: decide compressions before the step allocates, free the blocks, admit by footprint.
 
 At the start of ``Scheduler.schedule`` (before any of the step's ``allocate_slots``), every running request
-still in its prompt is offered to the pure planner (:func:`~cords_vllm.engine.planner.plan_compression`). A
+still in its prompt is offered to the pure planner (:func:`~cords_vllm.compress.plan.plan_compression`). A
 plan rewrites the request's row in the KV cache manager (``row[:j] = kept blocks + nulls``) and returns the
 other blocks of the region to the block pool at once, so the allocation of this very step can use them: the
 prototype decided after allocation, and a request was preempted three times that compression would have
@@ -11,26 +11,30 @@ in step order, after the in-flight step has written its tokens.
 
 Admission: vLLM reserves a new request's whole prompt (``scheduler_reserve_full_isl``). For a request with
 video, the reservation is capped at its compressed footprint
-(:func:`~cords_vllm.engine.planner.compressed_footprint_blocks`), so prompts whose full length would not
+(:func:`~cords_vllm.compress.plan.compressed_footprint_blocks`), so prompts whose full length would not
 fit are admitted when their compressed form does.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
-from cords_vllm.config import KVPolicyConfig
-from cords_vllm.engine.planner import (
+from cords_vllm.compress.plan import (
     BudgetSettings,
     CompressionPlan,
     RequestCompressionState,
     VideoSpans,
     apply_plan,
     compressed_footprint_blocks,
+    held_video_tokens,
+    next_compression_point,
     plan_compression,
 )
-from cords_vllm.engine.worker import PLANS_ATTR
+from cords_vllm.config import KVPolicyConfig
+from cords_vllm.engine.checks import single_kv_cache_group
+from cords_vllm.engine.protocol import attach_plans
 from cords_vllm.observability import CounterSink
 
 logger = logging.getLogger(__name__)
@@ -57,38 +61,53 @@ def video_spans(request: Any) -> VideoSpans:
     return VideoSpans(tuple(sorted(spans)))
 
 
+@dataclass(frozen=True)
+class RequestCompression:
+    """One request as the scheduler sees it (see :mod:`cords_vllm.introspect`).
+
+    ``region_blocks``: logical blocks compacted so far; ``held_blocks``: blocks of its row that are not
+    null (its real KV footprint now); ``held_video_tokens``: video tokens physically held;
+    ``video_tokens``: video tokens of its prompt; ``compressions``, ``evicted_tokens``: so far.
+    """
+
+    region_blocks: int
+    held_blocks: int
+    held_video_tokens: int
+    video_tokens: int
+    compressions: int
+    evicted_tokens: int
+
+
 class SchedulerCompressor:
     """Per-scheduler compression state and decisions."""
 
     def __init__(self, config: KVPolicyConfig, scheduler: Any) -> None:
         self.config = config
         kvm = scheduler.kv_cache_manager
-        managers = kvm.coordinator.single_type_managers
-        if len(managers) != 1:
-            raise NotImplementedError(
-                f"--kv-policy {config.policy}: {len(managers)} KV cache groups (hybrid or sliding-window "
-                "attention) are not supported; cords-vllm compresses one full-attention KV cache group")
-        self.manager = managers[0]
+        self.manager = single_kv_cache_group(kvm.coordinator.single_type_managers, config)
         self.pool = kvm.block_pool
         if self.pool.enable_caching:
             raise RuntimeError("--kv-policy needs prefix caching off (the plugin turns it off at start-up)")
         self.block_size = self.manager.block_size
         self.settings = BudgetSettings(config.budget, config.recent, config.slack)
-        sc = scheduler.scheduler_config
-        limits = (getattr(sc, "long_prefill_token_threshold", 0), getattr(sc, "max_num_scheduled_tokens", None),
-                  sc.max_num_batched_tokens)
-        self.chunk = min(int(x) for x in limits if x)  # the most tokens one step adds to a request
         self.states: dict[str, RequestCompressionState] = {}
-        self.spans: dict[str, VideoSpans] = {}
+        self.spans: dict[str, tuple[int, VideoSpans]] = {}
         self.pending: list[CompressionPlan] = []
-        self.footprints: dict[str, int] = {}
+        self.footprints: dict[str, tuple[int, int]] = {}
         self.sink = CounterSink("scheduler")
 
     def spans_of(self, request: Any) -> VideoSpans:
-        spans = self.spans.get(request.request_id)
-        if spans is None:
-            spans = self.spans[request.request_id] = video_spans(request)
-        return spans
+        """The request's video spans (cached; a streaming session's grow with every turn that adds video)."""
+        n_items = len(getattr(request, "mm_features", None) or ())
+        cached = self.spans.get(request.request_id)
+        if cached is None or cached[0] != n_items:
+            cached = self.spans[request.request_id] = (n_items, video_spans(request))
+        return cached[1]
+
+    def held_blocks(self, req_id: str, row: list) -> int:
+        """Blocks of ``row`` that are not null, without scanning it: ``j - k`` entries of its region are null."""
+        state = self.states.get(req_id)
+        return len(row) - (state.region_blocks - state.held_blocks if state else 0)
 
     # ------------------------------------------------------------------------------------------------
     def before_schedule(self, scheduler: Any) -> None:
@@ -137,18 +156,37 @@ class SchedulerCompressor:
         plans = [p for p in plans if p.req_id not in preempted]
         for req_id in preempted:
             self.states.pop(req_id, None)
-        setattr(scheduler_output, PLANS_ATTR, plans)
+        attach_plans(scheduler_output, plans)
+
+    def chunk_limit(self, request: Any, num_computed: int) -> int | None:
+        """The most tokens ``request`` may compute from ``num_computed`` on: up to its next compression point.
+
+        Points depend only on the request's token layout, its compression state and the policy's settings
+        (:func:`~cords_vllm.compress.plan.next_compression_point`), so a request is compressed at the same
+        logical positions, and keeps the same tokens, alone or in any batch and under any chunk settings.
+        ``None``: no point ahead.
+        """
+        video = self.spans_of(request)
+        if video.total == 0 or num_computed >= request.num_prompt_tokens:
+            return None
+        state = self.states.get(request.request_id) or RequestCompressionState()
+        point = next_compression_point(state, video, num_computed, request.num_prompt_tokens, self.settings,
+                                       self.block_size)
+        return None if point is None else point - num_computed
 
     def admission_cap(self, request: Any) -> int | None:
-        """Blocks to reserve for a new request with video: its compressed footprint (``None``: no cap)."""
-        footprint = self.footprints.get(request.request_id)
-        if footprint is None:
+        """Blocks to reserve for a request with video: its compressed footprint (``None``: no cap).
+
+        Cached per request and token count (a streaming session's footprint grows with its text).
+        """
+        cached = self.footprints.get(request.request_id)
+        if cached is None or cached[0] != request.num_tokens:
             video = self.spans_of(request)
             if video.total == 0:
                 return None
-            footprint = self.footprints[request.request_id] = compressed_footprint_blocks(
-                request.num_tokens, video.total, self.settings, self.chunk, self.block_size)
-        return footprint
+            cached = self.footprints[request.request_id] = (request.num_tokens, compressed_footprint_blocks(
+                request.num_tokens, video.total, self.settings, self.block_size))
+        return cached[1]
 
     def growth_reserve(self, request: Any) -> int:
         """Blocks the other admitted video requests may still take before they reach their footprint.
@@ -163,5 +201,22 @@ class SchedulerCompressor:
         for req_id, row in self.manager.req_to_blocks.items():
             footprint = self.footprints.get(req_id)
             if footprint is not None:
-                reserve += max(0, footprint - sum(not b.is_null for b in row))
+                reserve += max(0, footprint[1] - self.held_blocks(req_id, row))
         return reserve
+
+
+def describe_requests(scheduler: Any, compressor: SchedulerCompressor | None) -> dict[str, RequestCompression]:
+    """Every request ``scheduler`` holds blocks for, with its compression state (any policy, ``none`` too)."""
+    manager = compressor.manager if compressor else scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+    out = {}
+    for req_id, row in manager.req_to_blocks.items():
+        request = scheduler.requests.get(req_id)
+        if request is None:
+            continue
+        video = compressor.spans_of(request) if compressor else video_spans(request)
+        state = (compressor.states.get(req_id) if compressor else None) or RequestCompressionState()
+        out[req_id] = RequestCompression(
+            region_blocks=state.region_blocks, held_blocks=len(row) - (state.region_blocks - state.held_blocks),
+            held_video_tokens=held_video_tokens(state, video, request.num_computed_tokens, manager.block_size),
+            video_tokens=video.total, compressions=state.compressions, evicted_tokens=state.evicted_tokens)
+    return out

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from cords_vllm.metrics.neighbours import nearest_kept
+from cords_vllm.selection.base import compute_dtype
 
 
 @dataclass(frozen=True)
@@ -113,7 +114,7 @@ def attention_error(
         raise ValueError(f"alpha: must be in [0, 1), got {alpha}")
     b, h, n, d = keys.shape
     hq = queries.shape[1]
-    dt = torch.float64 if keys.dtype == torch.float64 else torch.float32
+    dt = compute_dtype(keys.dtype)
     q, k, v = queries.to(dt), keys.to(dt), values.to(dt)
     keep_h = keep if keep.dim() == 3 else keep[:, None, :].expand(b, h, n)
     if not bool(keep_h.any(-1).all()):

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from cords_vllm.metrics.neighbours import nearest_kept
+from cords_vllm.selection.base import compute_dtype
 
 SPACES: tuple[str, ...] = ("joint", "k", "v")
 
@@ -82,7 +83,7 @@ def nearest_kept_cosine_distance(
         per_head = keep.dim() == 3
     if keep.dim() == 3 and not per_head:
         raise ValueError("per_head: a [B, H, N] keep mask needs per_head=True")
-    dt = torch.float64 if keys.dtype == torch.float64 else torch.float32
+    dt = compute_dtype(keys.dtype)
     k, v = keys.to(dt), values.to(dt)
     if per_head:
         kf, vf = k.reshape(b * h, n, d), v.reshape(b * h, n, d)

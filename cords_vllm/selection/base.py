@@ -43,6 +43,7 @@ from cords_vllm.selection.granularity import (
     labelled_group_ids,
     units_to_mask,
 )
+from cords_vllm.utils import cdiv
 
 Granularity = Literal["token", "frame", "block"]
 GRANULARITIES: tuple[str, ...] = ("token", "frame", "block")
@@ -389,7 +390,7 @@ class Selector(abc.ABC):
             candidates sharing a value instead of fixed runs of ``group_size``: a frame cut by an
             earlier eviction or by the edge of the candidate region stays one (smaller) group and every
             group may be chosen, so the kept count is *at most* ``group_size * (budget // group_size)``
-            (the engine tops up and trims to an exact count, :mod:`cords_vllm.engine.region_selection`).
+            (:func:`cords_vllm.selection.exact.select_exact` tops up and trims to an exact count).
         per_head:
             False: the ``H`` KV heads of a token form one feature of dim ``H*D`` and one selection
             per problem (``keep`` is ``[B, N]``). True: each head selects its own ``budget`` tokens
@@ -439,12 +440,15 @@ class Selector(abc.ABC):
             n_groups = int(count.max()) if count.numel() else 0
             valid = torch.arange(n_groups, device=device)[None, :] < count[:, None]
             unit_rank = torch.where(valid, torch.arange(n_groups, device=device)[None, :], -1)
-            k = torch.where(keep_all, 0, torch.clamp(count, max=budget // group_size))
+            # labelled groups may hold fewer than group_size tokens: the budget covers everything only when it
+            # covers every group, otherwise the policy chooses budget // group_size of them
+            keep_all = count <= budget // group_size
+            k = torch.where(keep_all, 0, budget // group_size)
             period = 1
         else:
             assert group_size is not None
             gid = group_ids(rank, group_size)
-            n_groups = -(-int(n_cand.max()) // group_size)  # ceil: the partial group is a (padded) unit
+            n_groups = cdiv(int(n_cand.max()), group_size)  # ceil: the partial group is a (padded) unit
             count = n_cand // group_size  # full groups only
             valid = torch.arange(n_groups, device=device)[None, :] < count[:, None]
             unit_rank = torch.where(valid, torch.arange(n_groups, device=device)[None, :], -1)

@@ -1,6 +1,6 @@
 """The tiny Qwen2-VL of the video-QA task: the untrained base model and the shipped trained checkpoint.
 
-The base model is :func:`cords_vllm.testing.build_tiny_qwen2vl` with the task's colour words added to the
+The base model is :func:`cords_vllm.synthetic.build_tiny_qwen2vl` with the task's colour words added to the
 tokenizer as single tokens (digits already are). The trained checkpoint ships in the package at
 ``cords_vllm/assets/tiny_vqa/`` with ``training.json``: training configuration, seed, data description,
 prompt format and the measured held-out accuracy (HF and vLLM).
@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from cords_vllm.testing.tiny_model import TinyModelSpec, build_tiny_qwen2vl
+from cords_vllm.synthetic.tiny_model import TinyModelSpec, build_tiny_qwen2vl
 from cords_vllm.vqa.video import COLOUR_NAMES
 
 #: Words added to the base tokenizer so that every answer is one token.

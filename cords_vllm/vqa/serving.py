@@ -6,6 +6,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from cords_vllm.utils import cdiv
 from cords_vllm.vqa.tasks import VQAExample
 from cords_vllm.vqa.video import VideoGeometry
 
@@ -22,7 +23,7 @@ def engine_kwargs(checkpoint: str | os.PathLike, geometry: VideoGeometry, *, dty
     """
     need = geometry.num_video_tokens + _TEXT_TOKENS
     return {"model": str(checkpoint), "dtype": dtype, "enforce_eager": True,
-            "max_model_len": -(-need // 256) * 256, "kv_cache_memory_bytes": kv_cache_memory_bytes,
+            "max_model_len": cdiv(need, 256) * 256, "kv_cache_memory_bytes": kv_cache_memory_bytes,
             "limit_mm_per_prompt": {"image": 0, "video": 1}, "seed": seed}
 
 

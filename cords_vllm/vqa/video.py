@@ -21,6 +21,8 @@ from typing import Literal
 
 import numpy as np
 
+from cords_vllm.utils import cdiv
+
 #: Pixels per side of a vision patch, frames per temporal patch and the spatial merge of Qwen2-VL.
 PATCH = 14
 TEMPORAL_PATCH = 2
@@ -132,8 +134,8 @@ class Mark:
         every temporal patch it is shown in (sorted). For a flash: all tokens of its patches."""
         y0, x0, y1, x1 = self.box
         g = geometry.grid_side
-        rows = range(y0 // TOKEN_PIXELS, min(g, -(-y1 // TOKEN_PIXELS)))
-        cols = range(x0 // TOKEN_PIXELS, min(g, -(-x1 // TOKEN_PIXELS)))
+        rows = range(y0 // TOKEN_PIXELS, min(g, cdiv(y1, TOKEN_PIXELS)))
+        cols = range(x0 // TOKEN_PIXELS, min(g, cdiv(x1, TOKEN_PIXELS)))
         per_patch = [r * g + c for r in rows for c in cols]
         return [p * geometry.tokens_per_patch + i for p in range(self.patch_start, self.patch_stop)
                 for i in per_patch]

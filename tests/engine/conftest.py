@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import itertools
 import os
 from dataclasses import dataclass
 
@@ -11,8 +12,9 @@ import pytest
 import torch
 
 from cords_vllm.config import kv_policy_args
-from cords_vllm.testing import make_video
-from cords_vllm.testing.engine import engine_core, make_llm, model_runner, record_steps
+from cords_vllm.inprocess import make_llm
+from cords_vllm.introspect import record_steps, snapshot
+from cords_vllm.synthetic import make_video
 
 os.environ["CORDS_VLLM_TRACE"] = "1"
 
@@ -34,7 +36,7 @@ class EngineRun:
     max_blocks_held: dict[str, int]
     max_running: int
     num_preemptions: int
-    stats: object
+    compressions: int
 
 
 def video(frames: int = 32, seed: int = 3) -> np.ndarray:
@@ -51,32 +53,36 @@ def run_engine(model: str, prompts: list[dict], policy: str = "none", max_tokens
     if policy != "none":
         kwargs.update(kv_policy_args(policy, **config))
     llm = make_llm(model, **kwargs)
-    pool = engine_core(llm).scheduler.kv_cache_manager.block_pool
-    free_before = pool.get_num_free_blocks()
+    free_before = snapshot(llm).free_blocks
     steps = record_steps(llm)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=20)
     outs = llm.generate(prompts, params, use_tqdm=False)
-    worker = model_runner(llm).__dict__.get("_cords_worker")
+    state = snapshot(llm)
     run = EngineRun(
         token_ids=[list(o.outputs[0].token_ids) for o in outs],
         logprobs=[[{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs] for o in outs],
         prompt_lens=[len(o.prompt_token_ids) for o in outs],
-        events=list(worker.events) if worker else [],
+        events=list(state.events),
         free_blocks_before=free_before,
-        free_blocks_after=pool.get_num_free_blocks(),
+        free_blocks_after=state.free_blocks,
         max_blocks_held=steps.max_blocks_held,
         max_running=steps.peak_running,
         num_preemptions=steps.preemptions,
-        stats=worker.stats if worker else None,
+        compressions=state.compressions,
     )
-    del llm, pool  # the recorder's closure keeps the scheduler; dropped with this frame
+    del llm
     gc.collect()
     return run
 
 
-def chunks_for(prompt_len: int) -> list[int]:
-    full, rest = divmod(prompt_len, CHUNK)
-    return [CHUNK] * full + ([rest] if rest else [])
+def chunks_for(prompt_len: int, evictions: dict) -> list[int]:
+    """Prefill chunk sizes for the HF reference: a chunk starts at every position the engine compressed at.
+
+    The engine ends its chunks at compression points (and wherever a step's budget runs out); only the
+    points matter to the reference, since splitting a prefill elsewhere does not change causal attention.
+    """
+    bounds = [0, *sorted(evictions), prompt_len]
+    return [b - a for a, b in itertools.pairwise(bounds) if b > a]
 
 
 def evictions_of(events, req_prefix: str = "") -> dict[int, list[torch.Tensor]]:
@@ -85,6 +91,6 @@ def evictions_of(events, req_prefix: str = "") -> dict[int, list[torch.Tensor]]:
 
 @pytest.fixture(scope="session")
 def hf_reference(tiny_model):
-    from cords_vllm.testing.hf_reference import HFQwen2VLReference
+    from cords_vllm.reference.hf import HFQwen2VLReference
 
     return HFQwen2VLReference(tiny_model)

@@ -8,7 +8,9 @@ import time
 import pytest
 
 from cords_vllm.config import kv_policy_args
-from cords_vllm.testing.engine import engine_core, make_llm, model_runner
+from cords_vllm.inprocess import make_llm
+from cords_vllm.introspect import scheduler_of, snapshot
+from cords_vllm.utils import cdiv
 from tests.engine.conftest import BLOCK, CHUNK, TEXT_PROMPT, VIDEO_PROMPT, run_engine, video
 
 pytestmark = pytest.mark.engine
@@ -18,7 +20,7 @@ BUDGET, SLACK = 256, 64
 
 def _bound(prompt_len: int, video_tokens: int) -> int:
     """The issue's bound: ceil((budget + slack + chunk) / bs) blocks plus the blocks of non-video tokens."""
-    return -(-(BUDGET + SLACK + CHUNK) // BLOCK) + -(-(prompt_len - video_tokens) // BLOCK)
+    return cdiv(BUDGET + SLACK + CHUNK, BLOCK) + cdiv(prompt_len - video_tokens, BLOCK)
 
 
 def test_held_blocks_obey_the_bound_and_all_return(tiny_model):
@@ -27,7 +29,7 @@ def test_held_blocks_obey_the_bound_and_all_return(tiny_model):
     run = run_engine(tiny_model, prompts, "cords", max_tokens=4, budget=BUDGET, slack=SLACK)
     video_tokens = 32 * 64
     assert len(run.events) >= 4
-    uncompressed = -(-(run.prompt_lens[0] + 4) // BLOCK)
+    uncompressed = cdiv(run.prompt_lens[0] + 4, BLOCK)
     video_req = max(run.max_blocks_held, key=run.max_blocks_held.get)
     assert run.max_blocks_held[video_req] <= _bound(run.prompt_lens[0], video_tokens) < uncompressed
     assert run.free_blocks_after == run.free_blocks_before
@@ -42,7 +44,7 @@ def _drive(llm, until):
     engine = llm.llm_engine
     outputs = {}
     for _ in range(10_000):
-        if until():
+        if until(snapshot(llm)):
             return outputs
         for out in engine.step():
             if out.finished:
@@ -61,24 +63,23 @@ def _add(llm, req_id, frames):
 
 def test_abort_mid_prefill_returns_every_block_and_state(tiny_model):
     llm = _engine(tiny_model)
-    core, runner = engine_core(llm), model_runner(llm)
-    pool = core.scheduler.kv_cache_manager.block_pool
-    free = pool.get_num_free_blocks()
+    scheduler = scheduler_of(llm)
+    free = snapshot(llm).free_blocks
     _add(llm, "victim", video(64))
     _add(llm, "other", video(32, seed=4))
-    _drive(llm, lambda: runner.__dict__.get("_cords_worker") is not None
-           and any(e.req_id.startswith("victim") for e in runner._cords_worker.events))
-    victim = next(r for r in core.scheduler.requests if r.startswith("victim"))
-    assert core.scheduler.requests[victim].num_computed_tokens < core.scheduler.requests[victim].num_prompt_tokens
+    _drive(llm, lambda state: any(e.req_id.startswith("victim") for e in state.events))
+    victim = next(r for r in scheduler.requests if r.startswith("victim"))
+    assert scheduler.requests[victim].num_computed_tokens < scheduler.requests[victim].num_prompt_tokens
+    assert snapshot(llm).requests[victim].compressions >= 1
     llm.llm_engine.abort_request(["victim"], internal=False)
-    done = _drive(llm, lambda: False)
+    done = _drive(llm, lambda state: False)
     assert set(done) == {"other"}
-    assert pool.get_num_free_blocks() == free
     # finished requests reach the workers with the next step (as for vLLM's own runner state)
     llm.llm_engine.step()
-    assert runner._cords_worker.held == {} and runner.requests == {}
-    assert core.scheduler._cords_compressor.states == {}
-    del llm
+    state = snapshot(llm)
+    assert state.free_blocks == free
+    assert state.requests == {} and state.held_by_workers == {}
+    del scheduler, llm
     gc.collect()
 
 
@@ -87,25 +88,23 @@ def test_forced_preemption_after_compression_recomputes_exactly(tiny_model):
     solo = run_engine(tiny_model, [{"prompt": VIDEO_PROMPT, "multi_modal_data": {"video": frames}}], "cords",
                       max_tokens=4, budget=BUDGET, slack=SLACK)
     llm = _engine(tiny_model)
-    core, runner = engine_core(llm), model_runner(llm)
-    pool = core.scheduler.kv_cache_manager.block_pool
-    free = pool.get_num_free_blocks()
+    scheduler = scheduler_of(llm)
+    free = snapshot(llm).free_blocks
     _add(llm, "r", frames)
-    _drive(llm, lambda: runner.__dict__.get("_cords_worker") is not None
-           and len(runner._cords_worker.events) >= 2)
-    request = core.scheduler.running[0]
-    core.scheduler.running.remove(request)
-    core.scheduler._preempt_request(request, time.monotonic())
-    assert pool.get_num_free_blocks() == free
-    done = _drive(llm, lambda: False)
+    _drive(llm, lambda state: len(state.events) >= 2)
+    request = scheduler.running[0]
+    scheduler.running.remove(request)
+    scheduler._preempt_request(request, time.monotonic())  # vLLM's own preemption path
+    assert snapshot(llm).free_blocks == free
+    done = _drive(llm, lambda state: False)
     assert request.num_preemptions == 1
     assert done["r"] == solo.token_ids[0]
     # recomputed from scratch: the same compressions happened again
-    assert len(runner._cords_worker.events) == 2 + len(solo.events)
-    assert pool.get_num_free_blocks() == free
+    assert len(snapshot(llm).events) == 2 + len(solo.events)
     llm.llm_engine.step()
-    assert runner._cords_worker.held == {}
-    del llm
+    state = snapshot(llm)
+    assert state.free_blocks == free and state.held_by_workers == {}
+    del scheduler, llm
     gc.collect()
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from cords_vllm.utils import cdiv
 from tests.engine.conftest import BLOCK, VIDEO_PROMPT, run_engine, video
 
 pytestmark = pytest.mark.engine
@@ -18,7 +19,7 @@ def _pool_kwargs(tiny_model) -> dict:
     text = json.loads((pathlib.Path(tiny_model) / "config.json").read_text())["text_config"]
     head = text["hidden_size"] // text["num_attention_heads"]
     bytes_per_block = 2 * text["num_hidden_layers"] * text["num_key_value_heads"] * head * BLOCK * 4  # fp32
-    blocks_per_video = -(-(2063 + 4) // BLOCK)
+    blocks_per_video = cdiv(2063 + 4, BLOCK)
     # The encoder cache (sized by max_num_batched_tokens) holds 8 videos and each step may advance 8
     # requests by one 256-token chunk each, so only KV blocks limit how many run at once.
     return {"kv_cache_memory_bytes": (2 * blocks_per_video + 1) * bytes_per_block, "max_model_len": 4096,

@@ -39,7 +39,8 @@ def test_compressed_engine_equals_reference(tiny_model, hf_reference, config):
     run = run_engine(tiny_model, [prompt], "cords", max_tokens=6, budget=256, slack=64, **config)
     assert len(run.events) >= 2, "the prompt must be compressed at least twice"
     evictions = evictions_of(run.events)
-    ref = hf_reference.run(VIDEO_PROMPT, frames, max_new_tokens=6, chunk_sizes=chunks_for(run.prompt_lens[0]),
+    chunks = chunks_for(run.prompt_lens[0], evictions)
+    ref = hf_reference.run(VIDEO_PROMPT, frames, max_new_tokens=6, chunk_sizes=chunks,
                            evictions=evictions, forced_tokens=run.token_ids[0])
     assert _compare(run, ref) < TOL
     # negative control: the same reference without the engine's evictions disagrees clearly

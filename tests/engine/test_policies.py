@@ -17,8 +17,10 @@ def test_policy_compresses_exactly_and_returns_blocks(tiny_model, hf_reference, 
                      max_tokens=4, budget=192, slack=64)
     assert len(run.events) >= 2
     assert run.free_blocks_after == run.free_blocks_before
-    ref = hf_reference.run(VIDEO_PROMPT, frames, max_new_tokens=4, chunk_sizes=chunks_for(run.prompt_lens[0]),
-                           evictions=evictions_of(run.events), forced_tokens=run.token_ids[0])
+    evictions = evictions_of(run.events)
+    chunks = chunks_for(run.prompt_lens[0], evictions)
+    ref = hf_reference.run(VIDEO_PROMPT, frames, max_new_tokens=4, chunk_sizes=chunks,
+                           evictions=evictions, forced_tokens=run.token_ids[0])
     assert run.token_ids[0] == ref.token_ids
     ref_lp = ref.logits.log_softmax(-1)
     worst = max(abs(v - float(ref_lp[s, t])) for s, top in enumerate(run.logprobs[0]) for t, v in top.items())

@@ -8,10 +8,11 @@ import subprocess
 
 import pytest
 
-from cords_vllm.bench.http import run_http
+from cords_vllm.bench.http import run_http, scrape
 from cords_vllm.bench.workload import VideoWorkload
-from cords_vllm.testing import make_video, mp4_data_url
-from cords_vllm.testing.server import VLLMServer, server_env, vllm_executable
+from cords_vllm.observability import await_published
+from cords_vllm.serving.process import VLLMServer, server_env, vllm_executable
+from cords_vllm.synthetic import make_video, mp4_data_url
 
 pytestmark = pytest.mark.server
 
@@ -47,19 +48,20 @@ def test_serve_cords_answers_concurrent_videos_and_exports_counters(tiny_model):
             assert status == 200, body
             assert body["usage"]["prompt_tokens"] > 1024
             assert body["usage"]["completion_tokens"] == 4
-        status, metrics = server.get("/metrics")
-        assert _counter(metrics, "cords_vllm_compressions_total") >= 3
-        assert _counter(metrics, "cords_vllm_evicted_tokens_total") > 0
-        assert _counter(metrics, "cords_vllm_kept_tokens_total") > 0
-        assert _counter(metrics, "cords_vllm_selection_seconds_total") > 0
+        # the scheduler and the worker publish their counters up to PUBLISH_INTERVAL_S after a change
+        metrics = await_published(lambda: scrape(server.base_url),
+                                  lambda m: m["cords_vllm_compressions_total"] >= 3
+                                  and m["cords_vllm_selection_seconds_total"] > 0)
+        assert metrics["cords_vllm_evicted_tokens_total"] > 0
+        assert metrics["cords_vllm_kept_tokens_total"] > 0
 
         # the README's `vllm bench serve` command (random videos, OpenAI chat API) runs against it
-        before = _counter(metrics, "cords_vllm_compressions_total")
+        before = metrics["cords_vllm_compressions_total"]
         bench = subprocess.run(bench_serve_command(server.base_url, model, tiny_model, num_prompts=3),
                                env=server_env(), capture_output=True, text=True, timeout=600, check=False)
         assert bench.returncode == 0, bench.stdout[-2000:] + bench.stderr[-2000:]
         assert "Successful requests:                     3" in bench.stdout
-        assert _counter(server.get("/metrics")[1], "cords_vllm_compressions_total") > before
+        await_published(lambda: scrape(server.base_url), lambda m: m["cords_vllm_compressions_total"] > before)
 
         # this server keeps vLLM's default of 32 frames per video: the HTTP benchmark refuses to measure
         # 40-frame videos it would silently shorten, and names the flag that keeps every frame

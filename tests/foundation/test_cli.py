@@ -5,7 +5,7 @@ import subprocess
 import pytest
 
 from cords_vllm.config import available_policies
-from cords_vllm.testing.server import server_env, vllm_executable
+from cords_vllm.serving.process import server_env, vllm_executable
 
 pytestmark = pytest.mark.server
 
@@ -43,3 +43,11 @@ def test_bad_additional_config_exits_non_zero_naming_the_key(tiny_model):
                  '{"kv_policy": "cords", "kv_policy_config": {"recent": -3}}')
     assert proc.returncode != 0
     assert "recent" in proc.stderr
+
+
+def test_settings_the_model_cannot_serve_exit_non_zero_at_start_up(tiny_model):
+    """A check against the model (tests/foundation/test_startup_checks.py has one per case) stops `vllm serve`."""
+    proc = _vllm("serve", tiny_model, "--kv-policy", "cords", "--kv-policy-config", '{"anchors": [99]}',
+                 "--max-model-len", "4096")
+    assert proc.returncode != 0
+    assert "'anchors'" in proc.stderr and "layers 0..3" in proc.stderr

@@ -33,6 +33,16 @@ def test_roundtrip_through_json():
     assert cfg.params == {"alpha": 0.5}
 
 
+def test_settings_are_everything_in_force():
+    """What the start-up line shows: the engine keys and every selector hyper-parameter, defaults included."""
+    cfg = KVPolicyConfig.parse("cords", '{"budget": 1024, "alpha": 0.5}')
+    settings = cfg.settings()
+    assert settings["budget"] == 1024 and settings["recent"] == 256 and settings["anchors"] == [0]
+    assert settings["alpha"] == 0.5 and settings["eta"] == 0.25 and settings["lam"] == 0.25
+    assert KVPolicyConfig.parse("cords", settings).settings() == settings  # pasted back as --kv-policy-config
+    assert KVPolicyConfig.parse("none", None).settings() == {}
+
+
 @pytest.mark.parametrize(("config", "needle"), [
     ('{"budgett": 10}', "budgett"),
     ('{"budget": 0}', "budget"),

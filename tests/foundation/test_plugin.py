@@ -1,5 +1,6 @@
 """The plugin entry point, the version guard and the EngineArgs wiring (in-process, no engine start)."""
 
+import os
 from importlib.metadata import entry_points
 
 import pytest
@@ -67,27 +68,21 @@ def test_conflicting_forms_are_rejected():
     assert merge_into_additional_config({"x": 1}, "none", None) == {"x": 1}
 
 
-def test_engine_patches_refuse_a_foreign_signature():
-    from cords_vllm.engine.patches import EngineSignatureError, _check_signature
+def test_engine_changes_are_returned_for_the_startup_line(tiny_model, monkeypatch):
+    """adjust_engine_args reports each change it made (the CUDA ones checked with the platform faked)."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import current_platform
 
-    class Foreign:
-        def schedule(self, budget):  # not vLLM 0.32's Scheduler.schedule(self, throttle_prefills)
-            return budget
+    from cords_vllm.config import KVPolicyConfig
+    from cords_vllm.engine.engine_args import adjust_engine_args
 
-    _check_signature(Foreign, "schedule", ("self",))
-    with pytest.raises(EngineSignatureError, match=r"Foreign\.schedule"):
-        _check_signature(Foreign, "schedule", ("self", "throttle_prefills"))
-    with pytest.raises(EngineSignatureError, match="reserved_blocks"):
-        _check_signature(Foreign, "schedule", ("self",), keywords=("reserved_blocks",))
-
-
-def test_engine_patches_are_installed_once():
-    from vllm.v1.core.sched.scheduler import Scheduler
-
-    from cords_vllm.engine import patches
-
-    patches.install()
-    first = Scheduler.schedule
-    patches.install()
-    assert Scheduler.schedule is first
-    assert getattr(first, "_cords_vllm_patch", False)
+    policy = KVPolicyConfig.parse("cords", None)
+    args = EngineArgs(model=tiny_model)
+    assert adjust_engine_args(args, KVPolicyConfig()) == []
+    monkeypatch.setattr(current_platform, "is_cuda_alike", lambda: True)
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    changes = adjust_engine_args(args, policy)
+    assert [c.split(" (")[0] for c in changes] == ["prefix caching off", "V1 model runner", "piecewise CUDA graphs"]
+    assert args.enable_prefix_caching is False
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    assert adjust_engine_args(args, policy) == []  # nothing left to change

@@ -2,8 +2,8 @@
 
 import pytest
 
-from cords_vllm.testing import make_video, mp4_data_url
-from cords_vllm.testing.server import VLLMServer, _group_alive
+from cords_vllm.serving.process import VLLMServer, group_alive
+from cords_vllm.synthetic import make_video, mp4_data_url
 
 pytestmark = pytest.mark.server
 
@@ -34,4 +34,4 @@ def test_serve_none_answers_video_and_text_then_stops(tiny_model):
         assert text_body["usage"]["prompt_tokens"] < body["usage"]["prompt_tokens"]
         pid = server.proc.pid
     assert server.proc.returncode is not None
-    assert not _group_alive(pid)
+    assert not group_alive(pid)

@@ -14,7 +14,7 @@ from cords_vllm.metrics import (
     plot_coverage_cdfs,
 )
 from cords_vllm.selection import get_selector
-from cords_vllm.testing.synthetic_kv import make_synthetic_kv
+from cords_vllm.synthetic.kv import make_synthetic_kv
 
 
 def rand_kv(seed: int, b: int = 2, h: int = 2, n: int = 40, d: int = 6):

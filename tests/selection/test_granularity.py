@@ -8,6 +8,7 @@ from kv_cases import random_candidates, random_kv
 
 from cords_vllm.selection import SelectionResult, get_selector, kept_candidate_count
 from cords_vllm.selection.granularity import candidate_ranks, group_centroids, group_ids
+from cords_vllm.utils import cdiv
 
 
 def test_centroids_match_a_loop() -> None:
@@ -16,7 +17,7 @@ def test_centroids_match_a_loop() -> None:
     cand = random_candidates(1, 3, 17, 0.7)
     rank, count = candidate_ranks(cand)
     gid = group_ids(rank, 3)
-    n_groups = -(-int(count.max()) // 3)
+    n_groups = cdiv(int(count.max()), 3)
     cent = group_centroids(feats, gid, n_groups)
     for p in range(3):
         idx = [i for i in range(17) if cand[p, i]]
@@ -83,7 +84,7 @@ def test_shared_candidate_fast_paths_match_the_general_path() -> None:
     for cand in (torch.ones(2, 30, dtype=torch.bool), contiguous, scattered):
         for per_head in (False, True):
             rank, count = candidate_ranks(cand if not per_head else cand.repeat_interleave(3, 0))
-            n_groups = -(-int(count.max()) // 4)
+            n_groups = cdiv(int(count.max()), 4)
             n_full = int(count.min()) // 4
             fast = group_features(keys, values, cand, 4, n_groups, per_head, torch.float64)
             feats = token_features(keys, values, per_head, torch.float64)

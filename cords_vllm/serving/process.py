@@ -121,9 +121,9 @@ class VLLMServer:
                 self.proc.wait(timeout=10)
         # Children that outlive the server would keep memory and cores: end the whole group.
         deadline = time.monotonic() + 15
-        while _group_alive(pgid) and time.monotonic() < deadline:
+        while group_alive(pgid) and time.monotonic() < deadline:
             time.sleep(0.2)
-        if _group_alive(pgid):
+        if group_alive(pgid):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pgid, signal.SIGKILL)
             raise RuntimeError(f"vllm serve (pid {pgid}) left child processes behind; killed them")
@@ -163,7 +163,8 @@ class VLLMServer:
         return json.loads(text)["data"][0]["id"]
 
 
-def _group_alive(pgid: int) -> bool:
+def group_alive(pgid: int) -> bool:
+    """Whether process group ``pgid`` still has a live (non-zombie) member."""
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:

@@ -1,5 +1,8 @@
 """Pure compression planning over logical token ranges and block ids (no vLLM import, no tensors).
 
+This module is the one home of what crosses from the scheduler to the workers: :data:`NULL_BLOCK_ID`,
+:class:`VideoSpans`, :class:`CompressionPlan` (all host integers) and :class:`RequestCompressionState`.
+
 Model of a request's KV row (one full-attention KV cache group):
 
 * The row is LOGICAL: entry ``i`` covers logical tokens ``[i*bs, (i+1)*bs)``, ``num_computed_tokens`` stays
@@ -12,7 +15,7 @@ Model of a request's KV row (one full-attention KV cache group):
   when the pool was full). This is safe because the policy runs with prefix caching off: no block of a
   compressed request is shared or hashed.
 * Attention sees a *physical view* of the row, null entries moved to the end and ``seq_len`` reduced by
-  ``bs`` per null entry (:mod:`cords_vllm.engine.attention_view`). That is why kept tokens must fill whole
+  ``bs`` per null entry (:mod:`cords_vllm.compress.attention_view`). That is why kept tokens must fill whole
   blocks: the number of candidate (video) tokens kept is rounded UP so that protected + kept tokens in the
   region is a multiple of ``bs``.
 
@@ -24,23 +27,20 @@ them, so no recent video token is ever a candidate.
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from cords_vllm.utils import cdiv
+
+#: vLLM's null block: the block id of evicted row entries (``BlockPool.null_block`` is always block 0).
 NULL_BLOCK_ID = 0
 
 
 @dataclass(frozen=True)
 class VideoSpans:
-    """Logical ``[start, end)`` ranges of a request's video tokens, sorted and disjoint.
-
-    ``tokens_per_frame``: tokens of one temporal patch of each span (``h * w / merge**2``), used by
-    frame granularity; ``None`` when unknown.
-    """
+    """Logical ``[start, end)`` ranges of a request's video tokens, sorted and disjoint."""
 
     spans: tuple[tuple[int, int], ...]
-    tokens_per_frame: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         previous = 0
@@ -70,13 +70,6 @@ class VideoSpans:
             n -= end - start
         raise AssertionError("unreachable")
 
-    def is_video(self, positions: Sequence[int]) -> list[bool]:
-        starts = [s for s, _ in self.spans]
-        out = []
-        for p in positions:
-            i = bisect.bisect_right(starts, p) - 1
-            out.append(i >= 0 and p < self.spans[i][1])
-        return out
 
 
 @dataclass
@@ -117,6 +110,8 @@ class CompressionPlan:
         Tokens kept in the region (``k * bs``), protected ones included.
     num_keep_video:
         Video tokens kept in the region (the selection budget).
+    num_held_video:
+        Video tokens the region holds before this compression (the selection's candidates).
     video:
         The request's video spans (the workers decide which held tokens are candidates).
     """
@@ -129,6 +124,7 @@ class CompressionPlan:
     row_head: tuple[int, ...]
     num_keep: int
     num_keep_video: int
+    num_held_video: int
     video: VideoSpans = field(repr=False)
 
     @property
@@ -159,23 +155,18 @@ def held_video_tokens(state: RequestCompressionState, video: VideoSpans, num_com
     return state.held_video + video.count_in(state.region_blocks * block_size, num_computed)
 
 
-def plan_compression(req_id: str, row: Sequence[int], num_computed: int, num_prompt: int, video: VideoSpans,
-                     state: RequestCompressionState, settings: BudgetSettings,
-                     block_size: int) -> CompressionPlan | None:
-    """Decide whether to compress a request now and how; ``None`` if not.
+@dataclass(frozen=True)
+class _Decision:
+    region_blocks: int
+    kept_blocks: int
+    num_keep_video: int
+    region_held_video: int
+    region_held: int
 
-    Compresses when the request is still in its prompt (decode never compresses) and holds more than
-    ``budget + slack`` video tokens; the region's video tokens are reduced to ``budget - recent``, rounded
-    up to fill whole blocks.
 
-    Parameters
-    ----------
-    row:
-        The request's block ids (``0`` = null), logical order; may extend past ``num_computed``.
-    num_computed:
-        Logical tokens whose KV is in the cache or being written by an in-flight step.
-    """
-    bs = block_size
+def _decide(state: RequestCompressionState, video: VideoSpans, num_computed: int, num_prompt: int,
+            settings: BudgetSettings, bs: int) -> _Decision | None:
+    """The compression a request with ``num_computed`` logical tokens gets now, or ``None``."""
     if num_computed >= num_prompt or video.total == 0:
         return None
     if held_video_tokens(state, video, num_computed, bs) <= settings.budget + settings.slack:
@@ -191,44 +182,105 @@ def plan_compression(req_id: str, row: Sequence[int], num_computed: int, num_pro
     region_held_video = state.held_video + video.count_in(j_prev * bs, j * bs)
     region_held = state.held_blocks * bs + (j - j_prev) * bs
     protected = region_held - region_held_video
-    target = settings.budget - settings.recent
-    k = -(-(protected + target) // bs)
+    k = cdiv(protected + settings.budget - settings.recent, bs)
     num_keep_video = k * bs - protected
     if num_keep_video >= region_held_video:
         return None  # rounding to whole blocks leaves nothing to evict
+    return _Decision(j, k, num_keep_video, region_held_video, region_held)
+
+
+def plan_compression(req_id: str, row: Sequence[int], num_computed: int, num_prompt: int, video: VideoSpans,
+                     state: RequestCompressionState, settings: BudgetSettings,
+                     block_size: int) -> CompressionPlan | None:
+    """Decide whether to compress a request now and how; ``None`` if not.
+
+    Compresses when the request is still in its prompt (decode never compresses) and holds more than
+    ``budget + slack`` video tokens; the region's video tokens are reduced to ``budget - recent``, rounded
+    up to fill whole blocks. :func:`next_compression_point` says where the next such position lies.
+
+    Parameters
+    ----------
+    row:
+        The request's block ids (``0`` = null), logical order; may extend past ``num_computed``.
+    num_computed:
+        Logical tokens whose KV is in the cache or being written by an in-flight step.
+    """
+    bs = block_size
+    decision = _decide(state, video, num_computed, num_prompt, settings, bs)
+    if decision is None:
+        return None
+    j, k = decision.region_blocks, decision.kept_blocks
     head = list(row[:j])
     if len(head) != j:
         raise ValueError(f"request {req_id}: row has {len(row)} blocks, region needs {j}")
     src = [b for b in head if b != NULL_BLOCK_ID]
-    if len(src) * bs != region_held:
+    if len(src) * bs != decision.region_held:
         raise AssertionError(f"request {req_id}: region holds {len(src)} blocks, state expects "
-                             f"{region_held // bs}")
+                             f"{decision.region_held // bs}")
     return CompressionPlan(
-        req_id=req_id, block_size=bs, prev_region_blocks=j_prev, region_blocks=j, src_blocks=tuple(src),
-        row_head=tuple(src[:k]) + (NULL_BLOCK_ID,) * (j - k), num_keep=k * bs, num_keep_video=num_keep_video,
+        req_id=req_id, block_size=bs, prev_region_blocks=state.region_blocks, region_blocks=j,
+        src_blocks=tuple(src), row_head=tuple(src[:k]) + (NULL_BLOCK_ID,) * (j - k), num_keep=k * bs,
+        num_keep_video=decision.num_keep_video, num_held_video=decision.region_held_video,
         video=video,
     )
 
 
+def next_compression_point(state: RequestCompressionState, video: VideoSpans, num_computed: int,
+                           num_prompt: int, settings: BudgetSettings, block_size: int) -> int | None:
+    """The next logical position ``P > num_computed`` at which the request is compressed, or ``None``.
+
+    ``P`` is the smallest ``num_computed`` for which :func:`plan_compression` plans a compression, given the
+    request's state. It depends only on the request's token layout, its compression state and the policy's
+    settings, never on batching or chunk sizes; the scheduler ends a prefill chunk at ``P`` so that the
+    request is compressed there, whatever the step sizes. Since the state after a compression is itself a
+    function of the same inputs, the whole sequence of points (and what each keeps) is too.
+    """
+    bs, recent = block_size, settings.recent
+    if video.total == 0 or num_computed + 1 >= num_prompt:
+        return None
+    # first position holding more than budget + slack video tokens (the held count only grows with P)
+    need = video.count_before(state.region_blocks * bs) + settings.budget + settings.slack - state.held_video + 1
+    if need > video.total:
+        return None
+    point = max(num_computed + 1, video.position_of(need - 1) + 1)
+    while point < num_prompt:
+        if _decide(state, video, point, num_prompt, settings, bs) is not None:
+            return point
+        # not yet: move to the first position at which the region grows by a block
+        computed_video = video.count_before(point)
+        if computed_video <= recent:
+            target = recent + 1
+        elif recent == 0:
+            point = (point // bs + 1) * bs
+            continue
+        else:
+            region = video.position_of(computed_video - recent) // bs
+            target = max(video.count_before((region + 1) * bs) + recent, recent + 1)
+        if target > video.total:
+            return None
+        point = max(point + 1, video.position_of(target - 1) + 1)
+    return None
+
+
 def apply_plan(state: RequestCompressionState, plan: CompressionPlan) -> RequestCompressionState:
     """The request's state after ``plan`` (pure)."""
-    region_held_video = state.held_video + plan.video.count_in(plan.prev_region_blocks * plan.block_size,
-                                                               plan.region_blocks * plan.block_size)
     return RequestCompressionState(
         region_blocks=plan.region_blocks,
         held_blocks=plan.num_keep // plan.block_size,
         held_video=plan.num_keep_video,
         compressions=state.compressions + 1,
-        evicted_tokens=state.evicted_tokens + region_held_video - plan.num_keep_video,
+        evicted_tokens=state.evicted_tokens + plan.num_held_video - plan.num_keep_video,
     )
 
 
-def compressed_footprint_blocks(num_tokens: int, video_tokens: int, settings: BudgetSettings, chunk: int,
+def compressed_footprint_blocks(num_tokens: int, video_tokens: int, settings: BudgetSettings,
                                 block_size: int) -> int:
     """Upper bound on the blocks a request of ``num_tokens`` (``video_tokens`` of them video) holds at once.
 
-    Non-video tokens are all held; video tokens are held up to ``budget + slack + chunk`` plus the rounding
-    of the kept region and of the recent window to blocks (two blocks).
+    Non-video tokens are all held. Prefill chunks end at compression points
+    (:func:`next_compression_point`), where a request holds at most ``budget + slack`` video tokens plus the
+    rounding of its kept region and of its recent window to whole blocks (two blocks), whatever the chunk
+    sizes.
     """
-    held_video = min(video_tokens, settings.budget + settings.slack + chunk + 2 * block_size)
-    return -(-(num_tokens - video_tokens + held_video) // block_size)
+    held_video = min(video_tokens, settings.budget + settings.slack + 2 * block_size)
+    return cdiv(num_tokens - video_tokens + held_video, block_size)

@@ -1,6 +1,6 @@
 """Deterministic synthetic keys/values with the structure of a video's KV cache.
 
-Mirrors the statistics of :mod:`cords_vllm.testing.synthetic_video` one level down, in KV space. A
+Mirrors the statistics of :mod:`cords_vllm.synthetic.video` one level down, in KV space. A
 *frame* here is one temporal patch of the model (``tokens_per_frame`` tokens, one per spatial
 position). Each token has a latent content vector; every KV head projects it with its own random
 matrices and adds a per-position component (keys carry position, as rotary keys do):
@@ -24,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from cords_vllm.utils import cdiv
 
 
 @dataclass(frozen=True)
@@ -138,7 +140,7 @@ def make_synthetic_kv(
 
     # Layout (shared by all problems of the batch): scenes, static flags, repeats, needle.
     layout = torch.Generator().manual_seed(seed)
-    n_scenes = -(-t_count // scene_length)
+    n_scenes = cdiv(t_count, scene_length)
     frame_scene = tuple(t // scene_length for t in range(t_count))
     static = torch.rand(n_scenes, generator=layout) < static_fraction
     n_repeat = round(repeat_fraction * t_count)

@@ -1,0 +1,137 @@
+"""Start-up checks of the KV policy against the model: refused by ``LLM(...)`` before the engine starts."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+
+from cords_vllm.config import KVPolicyConfig, KVPolicyConfigError, kv_policy_args
+from cords_vllm.inprocess import make_llm
+from cords_vllm.startup_checks import (
+    EngineFacts,
+    check_attention,
+    check_budget,
+    check_engine,
+    check_frame_lengths,
+    check_granularity,
+)
+
+pytestmark = pytest.mark.engine
+
+
+def text_only_model(directory: Path, tiny_model: str, **config) -> str:
+    """A config-only Qwen2 text checkpoint (no M-RoPE, no weights: the checks refuse before loading)."""
+    from transformers import Qwen2Config
+
+    directory.mkdir(parents=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        os.symlink(Path(tiny_model) / name, directory / name)
+    Qwen2Config(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, architectures=["Qwen2ForCausalLM"],
+                **config).save_pretrained(directory)
+    return str(directory)
+
+
+@pytest.fixture(scope="module")
+def text_model(tmp_path_factory, tiny_model) -> str:
+    return text_only_model(tmp_path_factory.mktemp("text") / "qwen2", tiny_model)
+
+
+@pytest.fixture(scope="module")
+def sliding_window_model(tmp_path_factory, tiny_model) -> str:
+    return text_only_model(tmp_path_factory.mktemp("sw") / "qwen2", tiny_model, use_sliding_window=True,
+                           sliding_window=64, max_window_layers=0)
+
+
+def refused(model: str, policy: str = "cords", engine: dict | None = None, **config) -> str:
+    """The message of the start-up refusal of ``LLM(model, policy, config)``."""
+    with pytest.raises(KVPolicyConfigError) as info:
+        make_llm(model, **{**(engine or {}), **kv_policy_args(policy, **config)})
+    return str(info.value)
+
+
+# -- through LLM(...): the real create_engine_config path ------------------------------------------------
+def test_anchor_the_model_lacks_is_refused(tiny_model):
+    message = refused(tiny_model, anchors=[0, 99])
+    assert "'anchors'" in message and "0..3" in message
+
+
+def test_budget_no_request_can_exceed_is_refused(tiny_model):
+    message = refused(tiny_model, budget=8000)  # + default slack 2000 >= max_model_len 8192
+    assert "'budget'" in message and "max-model-len (8192)" in message
+
+
+def test_frame_granularity_without_mrope_is_refused(text_model):
+    message = refused(text_model, engine={"limit_mm_per_prompt": {}})
+    assert "'granularity'" in message and "'token'" in message and "'block'" in message
+
+
+def test_policy_reading_frame_lengths_without_mrope_is_refused(text_model):
+    message = refused(text_model, "infinipot_v", engine={"limit_mm_per_prompt": {}}, granularity="token")
+    assert "infinipot_v" in message and "M-RoPE" in message
+
+
+def test_sliding_window_model_is_refused(sliding_window_model):
+    message = refused(sliding_window_model, engine={"limit_mm_per_prompt": {}}, granularity="token")
+    assert "sliding_window=64" in message and "--disable-sliding-window" in message
+
+
+def test_valid_policy_logs_one_startup_line_and_no_warning(tiny_model):
+    """The line names the policy, every setting in force (selector defaults too) and the engine changes."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from cords_vllm.plugin import register
+
+    register()
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = records.append
+    plugin_logger = logging.getLogger("cords_vllm")
+    plugin_logger.addHandler(handler)
+    try:
+        EngineArgs(model=tiny_model, max_model_len=1024, max_num_batched_tokens=2048,
+                   **kv_policy_args("cords", budget=256, anchors=[0, 2], alpha=0.1)).create_engine_config()
+    finally:
+        plugin_logger.removeHandler(handler)
+    infos = [r.getMessage() for r in records if r.levelno == logging.INFO]
+    warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING]
+    assert len(infos) == 1, infos
+    line = infos[0]
+    for needle in ("--kv-policy cords", '"budget": 256', '"recent": 64', '"slack": 64', '"granularity": "frame"',
+                   '"per_head": false', '"anchors": [0, 2]', '"alpha": 0.1', '"eta": 0.25', '"lam": 0.25',
+                   "prefix caching off"):
+        assert needle in line, (needle, line)
+    assert warnings == []  # one step may take a whole prompt: chunks end at compression points anyway
+
+
+# -- the pure checks ----------------------------------------------------------------------------------
+FACTS = EngineFacts(model="m", num_layers=4, max_model_len=4096, uses_mrope=True)
+
+
+def test_pure_checks_refuse_naming_what_to_change():
+    with pytest.raises(KVPolicyConfigError, match=r"'budget' \(3000\) \+ slack \(1096\) = 4096.*max-model-len"):
+        check_budget(3000, 1096, 4096)
+    check_budget(3000, 1095, 4096)  # one token more than budget + slack can be held: compresses
+    with pytest.raises(KVPolicyConfigError, match=r"'granularity'.*'token' or 'block'"):
+        check_granularity("frame", False, "m")
+    for granularity in ("token", "block"):
+        check_granularity(granularity, False, "m")
+    with pytest.raises(KVPolicyConfigError, match="infinipot_v"):
+        check_frame_lengths("infinipot_v", False, "m")
+    check_frame_lengths("cords", False, "m")
+    for kwargs, needle in (({"hybrid": True}, "hybrid"), ({"attention_free": True}, "no attention"),
+                           ({"sliding_window": 128}, "sliding_window=128")):
+        with pytest.raises(KVPolicyConfigError, match=needle):
+            check_attention("cords", "m", **{"sliding_window": None, "hybrid": False, "attention_free": False,
+                                             **kwargs})
+
+
+def test_check_engine_runs_every_check_and_skips_none():
+    assert check_engine(KVPolicyConfig.parse("cords", {"budget": 256}), FACTS) == []
+    assert check_engine(KVPolicyConfig.parse("none", None), EngineFacts("m", 1, 8, False)) == []
+    assert check_engine(KVPolicyConfig.parse("cords", {"budget": 256, "anchors": "all"}), FACTS) == []
+    with pytest.raises(KVPolicyConfigError, match=r"'anchors'.*0\.\.3"):
+        check_engine(KVPolicyConfig.parse("cords", {"budget": 256, "anchors": [4]}), FACTS)
