@@ -41,6 +41,11 @@ ENGINE_KEYS: dict[str, str] = {
                 "false)",
     "anchors": "layers that run the selector on their own keys/values: a list of layer indices (or one index), "
                "or 'all' (every layer is its own anchor, no followers) (default [0])",
+    "max_text_tokens": "the most non-video tokens (text, questions, kept answers) one request may hold (int >= 0 "
+                       "or null). When set, the start-up check asks the KV pool for one request's bounded "
+                       "footprint, max_text_tokens + budget + slack + 2 blocks, instead of one max-model-len "
+                       "request, so --max-model-len (a stream's logical length) may exceed the pool; a request "
+                       "with more non-video tokens is ended with an error (default null: vLLM's own rule)",
 }
 
 
@@ -72,6 +77,9 @@ class KVPolicyConfig:
         Per-KV-head selection instead of joint selection over all heads.
     anchors:
         Anchor layer indices, or ``None`` for "every layer is an anchor".
+    max_text_tokens:
+        The most non-video tokens a request may hold, or ``None``; when set, the start-up rule asks the pool
+        for a request's bounded footprint instead of a max-model-len request (see :data:`ENGINE_KEYS`).
     params:
         Selector hyper-parameters (validated by the selector).
     """
@@ -83,6 +91,7 @@ class KVPolicyConfig:
     granularity: str = "frame"
     per_head: bool = False
     anchors: tuple[int, ...] | None = (0,)
+    max_text_tokens: int | None = None
     params: Mapping[str, Any] = field(default_factory=dict)
 
     @property
@@ -125,8 +134,12 @@ class KVPolicyConfig:
         per_head = engine.get("per_head", False)
         if not isinstance(per_head, bool):
             raise KVPolicyConfigError(f"kv_policy_config key 'per_head' must be true or false, got {per_head!r}")
+        max_text = engine.get("max_text_tokens")
+        if max_text is not None:
+            max_text = _int(engine, "max_text_tokens", 0, minimum=0)
         return cls(policy=policy, budget=budget, recent=recent, slack=slack, granularity=granularity,
-                   per_head=per_head, anchors=_anchors(engine.get("anchors", [0])), params=params)
+                   per_head=per_head, anchors=_anchors(engine.get("anchors", [0])), max_text_tokens=max_text,
+                   params=params)
 
     @classmethod
     def from_additional_config(cls, additional_config: Mapping[str, Any] | None) -> KVPolicyConfig:
@@ -142,6 +155,8 @@ class KVPolicyConfig:
         """The ``kv_policy_config`` JSON object that parses back to this configuration."""
         out = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("policy", "params")}
         out["anchors"] = "all" if self.anchors is None else list(self.anchors)
+        if self.max_text_tokens is None:
+            del out["max_text_tokens"]
         return {**out, **dict(self.params)}
 
     def settings(self) -> dict[str, Any]:

@@ -284,3 +284,10 @@ def compressed_footprint_blocks(num_tokens: int, video_tokens: int, settings: Bu
     """
     held_video = min(video_tokens, settings.budget + settings.slack + 2 * block_size)
     return cdiv(num_tokens - video_tokens + held_video, block_size)
+
+
+def stream_footprint_blocks(max_text_tokens: int, settings: BudgetSettings, block_size: int) -> int:
+    """Blocks one request holds at most, however long its video, with at most ``max_text_tokens`` non-video
+    tokens: what replaces vLLM's "one max-model-len request fits the pool" start-up rule under a policy."""
+    video = settings.budget + settings.slack + 2 * block_size
+    return compressed_footprint_blocks(max_text_tokens + video, video, settings, block_size)

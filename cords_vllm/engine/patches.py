@@ -138,6 +138,28 @@ def _make_build_metadata(original: Callable) -> Callable:
     return build_metadata
 
 
+def _make_max_memory_usage(original: Callable) -> Callable:
+    from cords_vllm.compress.plan import BudgetSettings, stream_footprint_blocks
+
+    def _max_memory_usage_bytes_from_groups(vllm_config, kv_cache_groups):
+        policy = policy_of(vllm_config)
+        if policy is None or policy.max_text_tokens is None:
+            return original(vllm_config, kv_cache_groups)
+        from vllm.v1.core import kv_cache_utils
+
+        groups = [g for g in kv_cache_groups if not getattr(g, "host_resident", False)]
+        if not groups:
+            return 0
+        settings = BudgetSettings(policy.budget, policy.recent, policy.slack)
+        blocks = 0
+        for group in groups:
+            bs = group.kv_cache_spec.block_size
+            blocks += min(stream_footprint_blocks(policy.max_text_tokens, settings, bs),
+                          -(-vllm_config.model_config.max_model_len // bs))
+        return kv_cache_utils._pool_bytes_per_block(vllm_config, groups) * blocks
+    return _max_memory_usage_bytes_from_groups
+
+
 ENGINE_PATCHES: tuple[Patch, ...] = (
     Patch("vllm.v1.core.sched.scheduler:Scheduler.schedule", ("self",), _make_schedule,
           why="no hook between steps may change a running request's blocks: compress before the step allocates",
@@ -153,6 +175,11 @@ ENGINE_PATCHES: tuple[Patch, ...] = (
           why="admission reserves a request's whole prompt; cap it at the compressed footprint and keep free "
               "the blocks admitted compressed requests will still grow into",
           upstream="patches/0002-kv-cache-manager-admission-policy.patch"),
+    Patch("vllm.v1.core.kv_cache_utils:_max_memory_usage_bytes_from_groups", ("vllm_config", "kv_cache_groups"),
+          _make_max_memory_usage,
+          why="the start-up check asks the pool to hold one max-model-len request; with max_text_tokens set, a "
+              "request under the policy holds at most its bounded footprint, so ask for that instead and let "
+              "a stream's logical length exceed the pool"),
     Patch("vllm.v1.worker.gpu_model_runner:GPUModelRunner._update_states", ("self", "scheduler_output"),
           _make_update_states,
           why="the KV connector's worker hook runs before new block ids are appended and cannot edit rows: "

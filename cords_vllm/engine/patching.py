@@ -36,7 +36,8 @@ class Patch:
     Attributes
     ----------
     target:
-        ``"package.module:Class.method"``.
+        ``"package.module:Class.method"``, or ``"package.module:function"`` for a module-level function
+        (called through the module's globals, so replacing the module attribute reaches every caller there).
     params:
         Leading parameter names the wrapped function must have (``self`` / ``cls`` included).
     make:
@@ -57,11 +58,12 @@ class Patch:
     keywords: tuple[str, ...] = ()
     upstream: str | None = None
 
-    def owner(self) -> tuple[type, str]:
+    def owner(self) -> tuple[Any, str]:
+        """The class (or module, for a module-level function) that holds the target, and its name there."""
         module_name, _, path = self.target.partition(":")
         owner_name, _, attr = path.rpartition(".")
         owner: Any = importlib.import_module(module_name)
-        for part in owner_name.split("."):
+        for part in filter(None, owner_name.split(".")):
             owner = getattr(owner, part)
         return owner, attr
 
@@ -69,7 +71,7 @@ class Patch:
 @dataclass(frozen=True)
 class _Resolved:
     patch: Patch
-    owner: type
+    owner: Any
     attr: str
     kind: type | None  # staticmethod, classmethod or None (plain function)
     function: Callable

@@ -40,8 +40,20 @@ from cords_vllm.observability import CounterSink
 logger = logging.getLogger(__name__)
 
 
-def video_spans(request: Any) -> VideoSpans:
-    """Logical video token ranges of a vLLM ``Request`` (from its multimodal placeholders)."""
+def marker_token_ids(model_config: Any) -> frozenset[int]:
+    """The model's vision start / end marker tokens (Qwen2-VL family), which frame every video in a prompt."""
+    hf = model_config.hf_config
+    ids = (getattr(hf, "vision_start_token_id", None), getattr(hf, "vision_end_token_id", None))
+    return frozenset(i for i in ids if isinstance(i, int))
+
+
+def video_spans(request: Any, markers: frozenset[int] = frozenset()) -> VideoSpans:
+    """Logical video token ranges of a vLLM ``Request`` (from its multimodal placeholders).
+
+    A marker token (``markers``: e.g. ``<|vision_start|>`` / ``<|vision_end|>``) right before or after a video
+    belongs to it: it is evicted with the video's tokens, so a live stream's per-clip markers do not pile up
+    as text that can never be evicted.
+    """
     spans: list[tuple[int, int]] = []
     for feature in getattr(request, "mm_features", None) or ():
         if feature.modality != "video":
@@ -58,6 +70,10 @@ def video_spans(request: Any) -> VideoSpans:
             elif not embed and run_start is not None:
                 spans.append((pos.offset + run_start, pos.offset + i))
                 run_start = None
+    if markers and spans:
+        tokens = request.prompt_token_ids or ()
+        spans = [(start - (start > 0 and tokens[start - 1] in markers),
+                  end + (end < len(tokens) and tokens[end] in markers)) for start, end in spans]
     return VideoSpans(tuple(sorted(spans)))
 
 
@@ -90,10 +106,12 @@ class SchedulerCompressor:
             raise RuntimeError("--kv-policy needs prefix caching off (the plugin turns it off at start-up)")
         self.block_size = self.manager.block_size
         self.settings = BudgetSettings(config.budget, config.recent, config.slack)
+        self.markers = marker_token_ids(scheduler.vllm_config.model_config)
         self.states: dict[str, RequestCompressionState] = {}
         self.spans: dict[str, tuple[int, VideoSpans]] = {}
         self.pending: list[CompressionPlan] = []
         self.footprints: dict[str, tuple[int, int]] = {}
+        self.over_text: set[str] = set()
         self.sink = CounterSink("scheduler")
 
     def spans_of(self, request: Any) -> VideoSpans:
@@ -101,7 +119,7 @@ class SchedulerCompressor:
         n_items = len(getattr(request, "mm_features", None) or ())
         cached = self.spans.get(request.request_id)
         if cached is None or cached[0] != n_items:
-            cached = self.spans[request.request_id] = (n_items, video_spans(request))
+            cached = self.spans[request.request_id] = (n_items, video_spans(request, self.markers))
         return cached[1]
 
     def held_blocks(self, req_id: str, row: list) -> int:
@@ -116,9 +134,12 @@ class SchedulerCompressor:
             state = self.states.pop(req_id)
             logger.debug("cords-vllm: request %s done: %d compressions, %d video tokens evicted", req_id,
                          state.compressions, state.evicted_tokens)
+        self.over_text &= set(scheduler.requests)
         for cache in (self.spans, self.footprints):
             for req_id in [r for r in cache if r not in scheduler.requests]:
                 cache.pop(req_id)
+        if self.config.max_text_tokens is not None:
+            self._end_requests_over_text_budget(scheduler)
         for request in scheduler.running:
             req_id = request.request_id
             state = self.states.get(req_id)
@@ -148,6 +169,22 @@ class SchedulerCompressor:
             logger.debug("cords-vllm: plan %s at token %d: region %d blocks, %d blocks freed, %d video kept",
                          req_id, request.num_computed_tokens, plan.region_blocks, len(freed),
                          plan.num_keep_video)
+
+    def _end_requests_over_text_budget(self, scheduler: Any) -> None:
+        """End waiting requests (new ones, and sessions whose next turn arrived) holding more non-video tokens
+        than ``max_text_tokens``: the start-up rule only promised the pool their bounded footprint.
+
+        They go through vLLM's own error channel (the ids the scheduler ends with ``FINISHED_ERROR``, and
+        reports to the client, when it processes the step's output).
+        """
+        limit = self.config.max_text_tokens
+        for request in [*scheduler.waiting, *getattr(scheduler, "kv_holding_waiting", ())]:
+            text = request.num_tokens - self.spans_of(request).total
+            if text > limit and request.request_id not in self.over_text:
+                self.over_text.add(request.request_id)
+                logger.warning("cords-vllm: request %s holds %d non-video tokens, more than kv_policy_config key "
+                               "'max_text_tokens' (%d): it is ended with an error", request.request_id, text, limit)
+                scheduler.encoder_cache_mismatch_reqs.add(request.request_id)
 
     def after_schedule(self, scheduler_output: Any) -> None:
         """Attach this step's plans (minus requests the step preempted) to its output."""
@@ -213,7 +250,8 @@ def describe_requests(scheduler: Any, compressor: SchedulerCompressor | None) ->
         request = scheduler.requests.get(req_id)
         if request is None:
             continue
-        video = compressor.spans_of(request) if compressor else video_spans(request)
+        video = compressor.spans_of(request) if compressor else video_spans(request, marker_token_ids(
+            scheduler.vllm_config.model_config))
         state = (compressor.states.get(req_id) if compressor else None) or RequestCompressionState()
         out[req_id] = RequestCompression(
             region_blocks=state.region_blocks, held_blocks=len(row) - (state.region_blocks - state.held_blocks),

@@ -89,7 +89,8 @@ def read_frames(mrope_positions: torch.Tensor, spans: tuple[tuple[int, int], ...
     temporal = mrope_positions[0].cpu()
     sizes = [torch.unique_consecutive(temporal[start:end], return_counts=True)[1] for start, end in spans]
     labels = temporal.to(device=device, dtype=torch.long, non_blocking=True)
-    return RequestFrames(labels=labels, largest=max(int(s.max()) for s in sizes), first_video=int(sizes[0][0]))
+    # a span may begin and end with a one-token marker (vision start / end): a frame is its largest group
+    return RequestFrames(labels=labels, largest=max(int(s.max()) for s in sizes), first_video=int(sizes[0].max()))
 
 
 @dataclass
@@ -235,10 +236,10 @@ class WorkerCompressor:
         frames = None
         if granularity == "frame" or self.setup.selector.needs_frame_length:
             frames = self.frames.get(plan.req_id)
-            if frames is None:
-                mrope = getattr(runner.requests[plan.req_id], "mrope_positions", None)
-                if mrope is not None:
-                    frames = self.frames[plan.req_id] = read_frames(mrope, plan.video.spans, self.device)
+            mrope = getattr(runner.requests[plan.req_id], "mrope_positions", None)
+            # a streaming session's prompt (and its M-RoPE positions) grows with every turn
+            if mrope is not None and (frames is None or frames.labels.shape[0] != mrope.shape[-1]):
+                frames = self.frames[plan.req_id] = read_frames(mrope, plan.video.spans, self.device)
         group_size = None
         if granularity == "block":
             group_size = bs

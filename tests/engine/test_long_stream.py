@@ -1,0 +1,70 @@
+"""A stream far longer than the KV pool: the start-up rule asks for its bounded footprint, blocks stay flat."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from cords_vllm.bench.offline import kv_bytes_per_block
+from cords_vllm.compress.plan import BudgetSettings, stream_footprint_blocks
+from cords_vllm.config import kv_policy_args
+from cords_vllm.inprocess import make_llm
+from cords_vllm.introspect import snapshot
+from cords_vllm.session import EngineSession
+from tests.engine.conftest import BLOCK, video
+
+pytestmark = pytest.mark.engine
+
+POOL = 24  # blocks of 32 tokens: 768 tokens
+BUDGET, SLACK, MAX_TEXT = 192, 64, 128
+CLIP = "<|vision_start|><|video_pad|><|vision_end|>"
+
+
+def _llm(model, max_model_len: int, **config):
+    pool_bytes = (POOL + 1) * kv_bytes_per_block(model, BLOCK, 4)  # + the null block
+    return make_llm(model, block_size=BLOCK, max_model_len=max_model_len, max_num_batched_tokens=max_model_len,
+                    max_num_scheduled_tokens=512, kv_cache_memory_bytes=pool_bytes,
+                    **kv_policy_args("cords", budget=BUDGET, slack=SLACK, **config))
+
+
+def test_without_max_text_tokens_vllm_still_asks_for_one_max_model_len_request(tiny_model):
+    with pytest.raises(ValueError, match="max seq len"):
+        _llm(tiny_model, max_model_len=4 * POOL * BLOCK)
+
+
+def test_a_stream_runs_to_twenty_pools_with_flat_blocks(tiny_model):
+    pushes = 20 * POOL * BLOCK // 128 + 1  # 128 video tokens a push
+    llm = _llm(tiny_model, max_model_len=(pushes + 8) * 128, max_text_tokens=MAX_TEXT)
+    free = snapshot(llm).free_blocks
+    assert free == POOL  # the pool really is smaller than the stream by 20x
+    bound = stream_footprint_blocks(MAX_TEXT, BudgetSettings(BUDGET, BUDGET // 4, SLACK), BLOCK)
+    session = EngineSession(llm, "camera")
+    held = []
+    for i in range(pushes):
+        session.push({"prompt": ("<|im_start|>user\n" if i == 0 else "") + CLIP,
+                      "multi_modal_data": {"video": video(4, seed=i % 7)}})
+        held.append(snapshot(llm).requests[session.request_id])
+    assert held[-1].video_tokens >= 20 * POOL * BLOCK
+    assert max(h.held_blocks for h in held) <= bound <= POOL
+    assert held[-1].held_blocks == held[len(held) // 2].held_blocks  # flat: the same at half and full length
+    answer = session.push({"prompt": "What color was the square?<|im_end|>\n<|im_start|>assistant\n"})
+    assert len(answer) == 1
+    session.close()
+    assert snapshot(llm).free_blocks == free
+    del llm
+    gc.collect()
+
+
+def test_a_request_with_more_text_than_max_text_tokens_ends_with_an_error(tiny_model):
+    from vllm import SamplingParams
+
+    llm = _llm(tiny_model, max_model_len=4 * POOL * BLOCK, max_text_tokens=MAX_TEXT)
+    long_text = "<|im_start|>user\n" + "describe the scene " * 60 + "<|im_end|>\n<|im_start|>assistant\n"
+    short_text = "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
+    outs = llm.generate([long_text, short_text], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    assert outs[0].outputs[0].finish_reason == "error"
+    assert outs[1].outputs[0].finish_reason == "length" and len(outs[1].outputs[0].token_ids) == 2
+    assert snapshot(llm).free_blocks == POOL
+    del llm
+    gc.collect()
