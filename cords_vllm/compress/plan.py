@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from cords_vllm.utils import cdiv
 
@@ -101,11 +102,11 @@ class CompressionPlan:
         Tokens per KV block.
     prev_region_blocks, region_blocks:
         The old region before (``j_prev``) and after (``j``) this compression, in logical blocks.
+    prev_held_blocks:
+        Blocks the region held before (``k_prev``): entries ``row[:k_prev]``; ``row[k_prev:j_prev]`` are null.
     src_blocks:
         Block ids the region held before, in row order: ``k_prev`` compacted blocks holding the
         previously kept tokens, then the ``j - j_prev`` blocks of logical tokens ``[j_prev*bs, j*bs)``.
-    row_head:
-        The new ``row[:j]``: ``src_blocks[:k]`` then ``j - k`` null ids.
     num_keep:
         Tokens kept in the region (``k * bs``), protected ones included.
     num_keep_video:
@@ -120,8 +121,8 @@ class CompressionPlan:
     block_size: int
     prev_region_blocks: int
     region_blocks: int
+    prev_held_blocks: int
     src_blocks: tuple[int, ...]
-    row_head: tuple[int, ...]
     num_keep: int
     num_keep_video: int
     num_held_video: int
@@ -138,6 +139,22 @@ class CompressionPlan:
     @property
     def num_held(self) -> int:
         return len(self.src_blocks) * self.block_size
+
+    def compact_row(self, row: Any, null: Any) -> None:
+        """Rewrite ``row`` (a list of blocks or ids, or a numpy row) to ``kept blocks + nulls`` up to the new
+        region end, touching only entries that change: the kept blocks and the blocks that entered the region.
+
+        Before: ``row[:k_prev]`` held, ``row[k_prev:j_prev]`` null, ``row[j_prev:j]`` new. After: ``row[:k]``
+        the kept blocks (the first ``k`` of :attr:`src_blocks`, in the row's own type), ``row[k:j]`` null.
+        The cost is proportional to ``k_prev + (j - j_prev)``, never to the stream's evicted length.
+        """
+        k, k_prev = self.num_keep // self.block_size, self.prev_held_blocks
+        j_prev, j = self.prev_region_blocks, self.region_blocks
+        held = [*row[:k_prev], *row[j_prev:j]]
+        row[:k] = held[:k]
+        if k < k_prev:
+            row[k:k_prev] = [null] * (k_prev - k)
+        row[max(k, j_prev):j] = [null] * (j - max(k, j_prev))
 
 
 @dataclass(frozen=True)
@@ -210,16 +227,16 @@ def plan_compression(req_id: str, row: Sequence[int], num_computed: int, num_pro
     if decision is None:
         return None
     j, k = decision.region_blocks, decision.kept_blocks
-    head = list(row[:j])
-    if len(head) != j:
+    if len(row) < j:
         raise ValueError(f"request {req_id}: row has {len(row)} blocks, region needs {j}")
-    src = [b for b in head if b != NULL_BLOCK_ID]
-    if len(src) * bs != decision.region_held:
+    # the held part of the region: its kept blocks, then the blocks that entered it (never the evicted part)
+    src = [*row[: state.held_blocks], *row[state.region_blocks: j]]
+    if NULL_BLOCK_ID in src or len(src) * bs != decision.region_held:
         raise AssertionError(f"request {req_id}: region holds {len(src)} blocks, state expects "
                              f"{decision.region_held // bs}")
     return CompressionPlan(
         req_id=req_id, block_size=bs, prev_region_blocks=state.region_blocks, region_blocks=j,
-        src_blocks=tuple(src), row_head=tuple(src[:k]) + (NULL_BLOCK_ID,) * (j - k), num_keep=k * bs,
+        prev_held_blocks=state.held_blocks, src_blocks=tuple(src), num_keep=k * bs,
         num_keep_video=decision.num_keep_video, num_held_video=decision.region_held_video,
         video=video,
     )

@@ -94,6 +94,19 @@ class RequestCompression:
     evicted_tokens: int
 
 
+class _BlockIds:
+    """The block ids of a row of ``KVCacheBlock`` objects, read lazily (the planner reads a few slices only)."""
+
+    def __init__(self, row: list) -> None:
+        self.row = row
+
+    def __len__(self) -> int:
+        return len(self.row)
+
+    def __getitem__(self, index: slice) -> list[int]:
+        return [b.block_id for b in self.row[index]]
+
+
 class SchedulerCompressor:
     """Per-scheduler compression state and decisions."""
 
@@ -153,13 +166,13 @@ class SchedulerCompressor:
             if not row:
                 continue
             state = state or RequestCompressionState()
-            plan = plan_compression(req_id, [b.block_id for b in row], request.num_computed_tokens,
+            plan = plan_compression(req_id, _BlockIds(row), request.num_computed_tokens,
                                     request.num_prompt_tokens, video, state, self.settings, self.block_size)
             if plan is None:
                 continue
-            held = [b for b in row[: plan.region_blocks] if not b.is_null]
-            kept, freed = held[: len(plan.kept_blocks)], held[len(plan.kept_blocks):]
-            row[: plan.region_blocks] = kept + [self.pool.null_block] * (plan.region_blocks - len(kept))
+            k = plan.num_keep // plan.block_size
+            freed = [*row[: plan.prev_held_blocks], *row[plan.prev_region_blocks: plan.region_blocks]][k:]
+            plan.compact_row(row, self.pool.null_block)
             self.pool.free_blocks(reversed(freed))
             new_state = apply_plan(state, plan)
             self.states[req_id] = new_state

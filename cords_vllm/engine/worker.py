@@ -5,7 +5,8 @@ and the persistent batch is condensed):
 
 1. Rewrite the worker's two copies of the request's row (``CachedRequestState.block_ids``, which survives
    the request leaving the persistent batch, and the persistent ``InputBatch`` block table the kernels read):
-   ``row[:j] = plan.row_head``. Host data only.
+   ``row[:j] = kept blocks + nulls`` (:meth:`~cords_vllm.compress.plan.CompressionPlan.compact_row`, which
+   touches only the entries that change). Host data only.
 2. Build the step's :class:`~cords_vllm.compress.step.RegionBatch` (one non-blocking upload of the plan's
    block ids and spans) and run the pure :func:`~cords_vllm.compress.step.compress_region` on the cache's
    device.
@@ -218,14 +219,14 @@ class WorkerCompressor:
 
     # ------------------------------------------------------------------------------------------------
     def _rewrite_rows(self, runner: Any, plan: CompressionPlan) -> None:
-        j = plan.region_blocks
         row = runner.requests[plan.req_id].block_ids[0]
-        if [b for b in row[:j] if b != 0] != list(plan.src_blocks):
+        held = [*row[: plan.prev_held_blocks], *row[plan.prev_region_blocks: plan.region_blocks]]
+        if held != list(plan.src_blocks):
             raise AssertionError(f"worker row of {plan.req_id} disagrees with the scheduler's plan")
-        row[:j] = plan.row_head
+        plan.compact_row(row, 0)
         index = runner.input_batch.req_id_to_index.get(plan.req_id)
         if index is not None:
-            runner.input_batch.block_table[0].block_table.np[index, :j] = plan.row_head
+            plan.compact_row(runner.input_batch.block_table[0].block_table.np[index], 0)
 
     def _region_batch(self, runner: Any, plan: CompressionPlan) -> RegionBatch:
         bs = plan.block_size

@@ -55,3 +55,20 @@ def test_the_next_point_is_the_first_position_that_plans_a_compression(seed):
         state, computed = apply_plan(state, plan), point
         points.append(point)
     assert points == sorted(set(points))
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_compacting_a_row_touches_only_what_changes_and_leaves_kept_then_nulls(seed):
+    rng = random.Random(seed)
+    video, num_prompt = _layout(rng)
+    settings = BudgetSettings(budget=48, recent=rng.randrange(0, 48), slack=rng.randrange(0, 20))
+    row = list(range(1, -(-num_prompt // BS) + 1))  # fresh blocks 1..n
+    state, computed = RequestCompressionState(), 0
+    while (point := next_compression_point(state, video, computed, num_prompt, settings, BS)) is not None:
+        plan = plan_compression("r", row, point, num_prompt, video, state, settings, BS)
+        before = list(row)
+        plan.compact_row(row, 0)
+        k, j = plan.num_keep // BS, plan.region_blocks
+        held_before = [b for b in before[:j] if b != 0]
+        assert row[:k] == held_before[:k] and row[k:j] == [0] * (j - k) and row[j:] == before[j:]
+        state, computed = apply_plan(state, plan), point
