@@ -72,7 +72,12 @@ def run_session(model_dir: str | Path, spec: PolicySpec, *, pushes: int, clip_fr
     session = EngineSession(llm, "camera")
     streamed = 0
     try:
+        per_push = 0
         for i in range(pushes):
+            if per_push and streamed + per_push + 16 > max_model_len:
+                # vLLM ends a session at max-model-len tokens (and its own check ties that to the pool)
+                run.stopped = f"push {i + 1}: the stream would pass max-model-len ({max_model_len} tokens)"
+                break
             clip = make_video(clip_frames, size, size, seed=1000 + i).frames
             t0 = time.perf_counter()
             try:
@@ -85,7 +90,7 @@ def run_session(model_dir: str | Path, spec: PolicySpec, *, pushes: int, clip_fr
             if state is None:
                 run.stopped = f"push {i + 1}: the engine ended the stream (max-model-len {max_model_len} reached)"
                 break
-            streamed = state.video_tokens
+            per_push, streamed = state.video_tokens - streamed, state.video_tokens
             record = PushRecord(push=i + 1, stream_tokens=streamed, held_blocks=state.held_blocks, seconds=seconds)
             run.records.append(record)
             if on_push:
