@@ -86,18 +86,20 @@ class HFQwen2VLReference:
         self.model = Qwen2VLForConditionalGeneration.from_pretrained(model_dir, dtype=dtype).eval()
         self.config = self.model.config
 
-    def encode(self, prompt: str, video: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor,
-                                                                            torch.Tensor, int]:
-        """Prompt text (with ``<|video_pad|>`` placeholder) + optional ``[T, H, W, 3]`` video.
+    def encode(self, prompt: str, video: np.ndarray | Sequence[np.ndarray] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """Prompt text (one ``<|video_pad|>`` placeholder per video) + optional ``[T, H, W, 3]`` video(s).
 
+        ``video`` is one video or a list of videos, in prompt order (e.g. the clips of a live stream).
         Returns ``(input_ids [L], inputs_embeds [1, L, hidden], positions [3, L], mrope_delta)``.
         """
-        enc = self.processor(text=[prompt], videos=[video] if video is not None else None, return_tensors="pt")
+        videos = None if video is None else list(video) if isinstance(video, list | tuple) else [video]
+        enc = self.processor(text=[prompt], videos=videos, return_tensors="pt")
         ids = enc["input_ids"]
         with torch.no_grad():
             emb = self.model.model.get_input_embeddings()(ids)
             grid = None
-            if video is not None:
+            if videos:
                 feats = self.model.model.get_video_features(enc["pixel_values_videos"], enc["video_grid_thw"],
                                                             return_dict=True)
                 vemb = torch.cat(list(feats.pooler_output), 0).to(emb.dtype)
@@ -109,7 +111,7 @@ class HFQwen2VLReference:
         return ids[0], emb, pos, delta
 
     @torch.no_grad()
-    def run(self, prompt: str, video: np.ndarray | None = None, *, max_new_tokens: int = 8,
+    def run(self, prompt: str, video: np.ndarray | Sequence[np.ndarray] | None = None, *, max_new_tokens: int = 8,
             chunk_sizes: Sequence[int] | None = None,
             evictions: Mapping[int, Sequence[torch.Tensor]] | None = None,
             forced_tokens: Sequence[int] | None = None) -> ReferenceResult:

@@ -12,7 +12,7 @@ from cords_vllm.config import kv_policy_args
 from cords_vllm.inprocess import make_llm
 from cords_vllm.introspect import record_steps, snapshot
 from cords_vllm.session import EngineSession
-from tests.engine.conftest import BLOCK, evictions_of, video
+from tests.engine.conftest import BLOCK, chunks_for, evictions_of, video
 
 pytestmark = pytest.mark.engine
 
@@ -83,8 +83,9 @@ def test_a_session_is_compressed_across_turns_and_stays_bounded(session_run):
     assert session_run["free_after"] == session_run["free_before"]  # closing returns every block
 
 
-def test_answers_and_kept_tokens_equal_the_one_shot_request(tiny_model, session_run):
-    """A question answered mid-stream equals a one-shot request over the same tokens, compressions included."""
+def test_answers_and_kept_tokens_equal_the_one_shot_request_and_hf(tiny_model, session_run, hf_reference):
+    """A question answered mid-stream equals a one-shot request over the same tokens, compressions included,
+    and the HF reference that drops the same tokens at the same points."""
     llm = _llm(tiny_model)
     from vllm import SamplingParams
 
@@ -97,7 +98,7 @@ def test_answers_and_kept_tokens_equal_the_one_shot_request(tiny_model, session_
         prompts.append({"prompt": text, "multi_modal_data": {"video": clips}})
     from cords_vllm.introspect import snapshot as snap
 
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, logprobs=20), use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outs] == session_run["answers"]
     # the last one-shot request saw the whole stream: it kept exactly the session's tokens at the same points
     last = outs[-1].request_id
@@ -106,6 +107,15 @@ def test_answers_and_kept_tokens_equal_the_one_shot_request(tiny_model, session_
     assert len(session) >= 5 and one_shot.keys() == session.keys()
     for at in session:
         assert all(torch.equal(a, b) for a, b in zip(session[at], one_shot[at], strict=True))
+    # the HF reference over the whole stream, evicting the session's tokens at the session's points
+    prompt = prompts[-1]
+    length = len(outs[-1].prompt_token_ids)
+    ref = hf_reference.run(prompt["prompt"], prompt["multi_modal_data"]["video"], max_new_tokens=1,
+                           chunk_sizes=chunks_for(length, session), evictions=session)
+    assert ref.token_ids == session_run["answers"][-1]
+    ref_lp = ref.logits.log_softmax(-1)
+    top = outs[-1].outputs[0].logprobs[0]
+    assert max(abs(lp.logprob - float(ref_lp[0, t])) for t, lp in top.items()) < 2e-4
     del llm
     gc.collect()
 
