@@ -34,7 +34,7 @@ import torch
 
 from cords_vllm.compress.attention_view import RowHoles
 from cords_vllm.compress.kv_access import KVAccessor, slots_of
-from cords_vllm.compress.plan import CompressionPlan
+from cords_vllm.compress.plan import NULL_BLOCK_ID, CompressionPlan
 from cords_vllm.compress.step import RegionBatch, SelectionSetup, compress_region
 from cords_vllm.compress.transfer import upload
 from cords_vllm.config import KVPolicyConfig
@@ -223,10 +223,10 @@ class WorkerCompressor:
         held = [*row[: plan.prev_held_blocks], *row[plan.prev_region_blocks: plan.region_blocks]]
         if held != list(plan.src_blocks):
             raise AssertionError(f"worker row of {plan.req_id} disagrees with the scheduler's plan")
-        plan.compact_row(row, 0)
+        plan.compact_row(row, NULL_BLOCK_ID)
         index = runner.input_batch.req_id_to_index.get(plan.req_id)
         if index is not None:
-            plan.compact_row(runner.input_batch.block_table[0].block_table.np[index], 0)
+            plan.compact_row(runner.input_batch.block_table[0].block_table.np[index], NULL_BLOCK_ID)
 
     def _region_batch(self, runner: Any, plan: CompressionPlan) -> RegionBatch:
         bs = plan.block_size
