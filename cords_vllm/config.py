@@ -26,6 +26,8 @@ from cords_vllm.selection.base import GRANULARITIES
 NO_POLICY = "none"
 ADDITIONAL_CONFIG_POLICY = "kv_policy"
 ADDITIONAL_CONFIG_CONFIG = "kv_policy_config"
+#: Non-video tokens a request may hold under a policy unless ``max_text_tokens`` says otherwise.
+DEFAULT_MAX_TEXT_TOKENS = 8192
 
 #: Engine keys of ``kv_policy_config``, with their meaning (also the configuration reference in --help).
 ENGINE_KEYS: dict[str, str] = {
@@ -41,11 +43,11 @@ ENGINE_KEYS: dict[str, str] = {
                 "false)",
     "anchors": "layers that run the selector on their own keys/values: a list of layer indices (or one index), "
                "or 'all' (every layer is its own anchor, no followers) (default [0])",
-    "max_text_tokens": "the most non-video tokens (text, questions, kept answers) one request may hold (int >= 0 "
-                       "or null). When set, the start-up check asks the KV pool for one request's bounded "
-                       "footprint, max_text_tokens + budget + slack + 2 blocks, instead of one max-model-len "
-                       "request, so --max-model-len (a stream's logical length) may exceed the pool; a request "
-                       "with more non-video tokens is ended with an error (default null: vLLM's own rule)",
+    "max_text_tokens": "the most non-video tokens (text, questions, kept answers) one request may hold (int >= 0; "
+                       "default min(max-model-len, 8192)). The start-up check asks the KV pool for one request's "
+                       "bounded footprint, max_text_tokens + budget + slack + 2 blocks, instead of one "
+                       "max-model-len request, so --max-model-len (a stream's logical length) may exceed the "
+                       "pool; a request with more non-video tokens is ended with an error",
 }
 
 
@@ -78,8 +80,9 @@ class KVPolicyConfig:
     anchors:
         Anchor layer indices, or ``None`` for "every layer is an anchor".
     max_text_tokens:
-        The most non-video tokens a request may hold, or ``None``; when set, the start-up rule asks the pool
-        for a request's bounded footprint instead of a max-model-len request (see :data:`ENGINE_KEYS`).
+        The most non-video tokens a request may hold; ``None``: :data:`DEFAULT_MAX_TEXT_TOKENS`, at most
+        max-model-len (:meth:`text_limit`). The start-up rule asks the pool for a request's bounded footprint
+        instead of a max-model-len request (see :data:`ENGINE_KEYS`).
     params:
         Selector hyper-parameters (validated by the selector).
     """
@@ -170,6 +173,11 @@ class KVPolicyConfig:
 
         selector = get_selector(self.policy, **dict(self.params))
         return {**self.to_json(), **{name: getattr(selector, name) for name in selector_params(self.policy)}}
+
+    def text_limit(self, max_model_len: int) -> int:
+        """The most non-video tokens a request may hold under this policy, for an engine's max-model-len."""
+        limit = DEFAULT_MAX_TEXT_TOKENS if self.max_text_tokens is None else self.max_text_tokens
+        return min(limit, max_model_len)
 
     def anchor_of(self, layer: int, num_layers: int) -> int:
         """The anchor layer whose selection ``layer`` reuses.

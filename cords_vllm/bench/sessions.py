@@ -4,8 +4,8 @@ A camera pushes clips of ``clip_frames`` frames into one resumable request (:cla
 on an in-process engine whose KV pool holds ``pool_blocks`` blocks. Each push records the stream's length so
 far (video tokens pushed), the blocks the session holds once the push is done, and the push's wall time.
 Under ``none`` the stream ends where vLLM must: a session cannot hold more than ``--max-model-len`` tokens,
-and vLLM's start-up check ties that to the pool. Under a policy with ``max_text_tokens`` the pool only has to
-hold the stream's bounded footprint, so the stream runs far past the pool with flat blocks.
+and vLLM's start-up check ties that to the pool. Under a policy the pool only has to hold the stream's
+bounded footprint, so the stream runs far past the pool with flat blocks.
 """
 
 from __future__ import annotations

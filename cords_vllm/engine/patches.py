@@ -143,7 +143,7 @@ def _make_max_memory_usage(original: Callable) -> Callable:
 
     def _max_memory_usage_bytes_from_groups(vllm_config, kv_cache_groups):
         policy = policy_of(vllm_config)
-        if policy is None or policy.max_text_tokens is None:
+        if policy is None:
             return original(vllm_config, kv_cache_groups)
         from vllm.v1.core import kv_cache_utils
 
@@ -151,11 +151,11 @@ def _make_max_memory_usage(original: Callable) -> Callable:
         if not groups:
             return 0
         settings = BudgetSettings(policy.budget, policy.recent, policy.slack)
+        max_len = vllm_config.model_config.max_model_len
         blocks = 0
         for group in groups:
             bs = group.kv_cache_spec.block_size
-            blocks += min(stream_footprint_blocks(policy.max_text_tokens, settings, bs),
-                          -(-vllm_config.model_config.max_model_len // bs))
+            blocks += min(stream_footprint_blocks(policy.text_limit(max_len), settings, bs), -(-max_len // bs))
         return kv_cache_utils._pool_bytes_per_block(vllm_config, groups) * blocks
     return _max_memory_usage_bytes_from_groups
 
@@ -177,9 +177,9 @@ ENGINE_PATCHES: tuple[Patch, ...] = (
           upstream="patches/0002-kv-cache-manager-admission-policy.patch"),
     Patch("vllm.v1.core.kv_cache_utils:_max_memory_usage_bytes_from_groups", ("vllm_config", "kv_cache_groups"),
           _make_max_memory_usage,
-          why="the start-up check asks the pool to hold one max-model-len request; with max_text_tokens set, a "
-              "request under the policy holds at most its bounded footprint, so ask for that instead and let "
-              "a stream's logical length exceed the pool"),
+          why="the start-up check asks the pool to hold one max-model-len request; a request under the policy "
+              "holds at most its bounded footprint (max_text_tokens of text + its bounded video), so ask for "
+              "that instead and let a stream's logical length exceed the pool"),
     Patch("vllm.v1.worker.gpu_model_runner:GPUModelRunner._update_states", ("self", "scheduler_output"),
           _make_update_states,
           why="the KV connector's worker hook runs before new block ids are appended and cannot edit rows: "

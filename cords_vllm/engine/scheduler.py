@@ -120,6 +120,8 @@ class SchedulerCompressor:
         self.block_size = self.manager.block_size
         self.settings = BudgetSettings(config.budget, config.recent, config.slack)
         self.markers = marker_token_ids(scheduler.vllm_config.model_config)
+        self.max_model_len = scheduler.vllm_config.model_config.max_model_len
+        self.text_limit = config.text_limit(self.max_model_len)
         self.states: dict[str, RequestCompressionState] = {}
         self.spans: dict[str, tuple[int, VideoSpans]] = {}
         self.pending: list[CompressionPlan] = []
@@ -151,7 +153,7 @@ class SchedulerCompressor:
         for cache in (self.spans, self.footprints):
             for req_id in [r for r in cache if r not in scheduler.requests]:
                 cache.pop(req_id)
-        if self.config.max_text_tokens is not None:
+        if self.text_limit < self.max_model_len:
             self._end_requests_over_text_budget(scheduler)
         for request in scheduler.running:
             req_id = request.request_id
@@ -190,7 +192,7 @@ class SchedulerCompressor:
         They go through vLLM's own error channel (the ids the scheduler ends with ``FINISHED_ERROR``, and
         reports to the client, when it processes the step's output).
         """
-        limit = self.config.max_text_tokens
+        limit = self.text_limit
         for request in [*scheduler.waiting, *getattr(scheduler, "kv_holding_waiting", ())]:
             text = request.num_tokens - self.spans_of(request).total
             if text > limit and request.request_id not in self.over_text:

@@ -33,6 +33,23 @@ def test_without_max_text_tokens_vllm_still_asks_for_one_max_model_len_request(t
         _llm(tiny_model, max_model_len=4 * POOL * BLOCK)
 
 
+def test_by_default_the_pool_must_hold_the_footprint_of_8192_text_tokens_not_max_model_len(tiny_model):
+    from cords_vllm.config import KVPolicyConfig
+
+    assert KVPolicyConfig.parse("cords", {}).text_limit(32768) == 8192
+    assert KVPolicyConfig.parse("cords", {"max_text_tokens": 100}).text_limit(64) == 64
+    blocks = -(-(8192 + BUDGET + SLACK + 2 * BLOCK) // BLOCK)  # 267 blocks: far fewer than 32768 tokens
+    pool_bytes = (blocks + 1) * kv_bytes_per_block(tiny_model, BLOCK, 4)
+    engine = {"block_size": BLOCK, "max_model_len": 32768, "max_num_batched_tokens": 32768,
+              "kv_cache_memory_bytes": pool_bytes}
+    llm = make_llm(tiny_model, **engine, **kv_policy_args("cords", budget=BUDGET, slack=SLACK))
+    assert snapshot(llm).total_blocks == blocks
+    del llm
+    gc.collect()
+    with pytest.raises(ValueError, match="max seq len"):  # without a policy, vLLM's own rule
+        make_llm(tiny_model, **engine)
+
+
 def test_a_stream_runs_to_twenty_pools_with_flat_blocks(tiny_model):
     pushes = 20 * POOL * BLOCK // 128 + 1  # 128 video tokens a push
     llm = _llm(tiny_model, max_model_len=(pushes + 8) * 128, max_text_tokens=MAX_TEXT)
