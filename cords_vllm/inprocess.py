@@ -54,8 +54,3 @@ def _quiet_in_process_thread_warning() -> None:
     logger = logging.getLogger("vllm.v1.worker.cpu_worker")
     if not any(isinstance(f, _DropMessage) for f in logger.filters):
         logger.addFilter(_DropMessage("torch.set_num_threads"))
-
-
-def engine_core(llm):
-    """The in-process ``EngineCore`` of an ``LLM`` (scheduler, executor)."""
-    return llm.llm_engine.engine_core.engine_core

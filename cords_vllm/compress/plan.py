@@ -73,6 +73,12 @@ class VideoSpans:
 
 
 
+def region_entries(row: Any, held_blocks: int, prev_region_blocks: int, region_blocks: int) -> list:
+    """The entries of ``row`` a compression reads: the region's kept blocks ``row[:held_blocks]``, then the
+    blocks that entered it, ``row[prev_region_blocks:region_blocks]`` (never the evicted, null part)."""
+    return [*row[:held_blocks], *row[prev_region_blocks:region_blocks]]
+
+
 @dataclass
 class RequestCompressionState:
     """What the scheduler remembers about one request's compressed prefix.
@@ -140,6 +146,11 @@ class CompressionPlan:
     def num_held(self) -> int:
         return len(self.src_blocks) * self.block_size
 
+    def held_entries(self, row: Any) -> list:
+        """The entries of ``row`` (blocks or ids) the region held before this compression, in row order: the
+        :attr:`src_blocks` as the row stores them (see :func:`region_entries`)."""
+        return region_entries(row, self.prev_held_blocks, self.prev_region_blocks, self.region_blocks)
+
     def compact_row(self, row: Any, null: Any) -> None:
         """Rewrite ``row`` (a list of blocks or ids, or a numpy row) to ``kept blocks + nulls`` up to the new
         region end, touching only entries that change: the kept blocks and the blocks that entered the region.
@@ -150,8 +161,7 @@ class CompressionPlan:
         """
         k, k_prev = self.num_keep // self.block_size, self.prev_held_blocks
         j_prev, j = self.prev_region_blocks, self.region_blocks
-        held = [*row[:k_prev], *row[j_prev:j]]
-        row[:k] = held[:k]
+        row[:k] = self.held_entries(row)[:k]
         if k < k_prev:
             row[k:k_prev] = [null] * (k_prev - k)
         row[max(k, j_prev):j] = [null] * (j - max(k, j_prev))
@@ -229,8 +239,7 @@ def plan_compression(req_id: str, row: Sequence[int], num_computed: int, num_pro
     j, k = decision.region_blocks, decision.kept_blocks
     if len(row) < j:
         raise ValueError(f"request {req_id}: row has {len(row)} blocks, region needs {j}")
-    # the held part of the region: its kept blocks, then the blocks that entered it (never the evicted part)
-    src = [*row[: state.held_blocks], *row[state.region_blocks: j]]
+    src = region_entries(row, state.held_blocks, state.region_blocks, j)
     if NULL_BLOCK_ID in src or len(src) * bs != decision.region_held:
         raise AssertionError(f"request {req_id}: region holds {len(src)} blocks, state expects "
                              f"{decision.region_held // bs}")

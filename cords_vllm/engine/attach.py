@@ -31,7 +31,3 @@ def attached(obj: Any, default: Any = _MISSING) -> Any:
             raise KeyError(f"no cords-vllm state attached to {type(obj).__name__}")
         return default
     return value
-
-
-def is_attached(obj: Any) -> bool:
-    return id(obj) in _state

@@ -15,6 +15,7 @@ from cords_vllm.config import KVPolicyConfig
 from cords_vllm.engine.attach import attach, attached
 from cords_vllm.engine.patching import EngineSignatureError, Patch, installed
 from cords_vllm.engine.patching import install as install_patches
+from cords_vllm.utils import cdiv
 
 #: ``callback(scheduler, scheduler_output)`` after every ``Scheduler.schedule`` (see :func:`observe_steps`).
 StepObserver = Callable[[Any, Any], None]
@@ -155,7 +156,7 @@ def _make_max_memory_usage(original: Callable) -> Callable:
         blocks = 0
         for group in groups:
             bs = group.kv_cache_spec.block_size
-            blocks += min(stream_footprint_blocks(policy.text_limit(max_len), settings, bs), -(-max_len // bs))
+            blocks += min(stream_footprint_blocks(policy.text_limit(max_len), settings, bs), cdiv(max_len, bs))
         return kv_cache_utils._pool_bytes_per_block(vllm_config, groups) * blocks
     return _max_memory_usage_bytes_from_groups
 

@@ -94,6 +94,12 @@ class RequestCompression:
     evicted_tokens: int
 
 
+def non_null_blocks(row: list, state: RequestCompressionState | None) -> int:
+    """Blocks of a request's ``row`` that are not null, without scanning it: ``j - k`` entries of its region are
+    null, none elsewhere."""
+    return len(row) - (state.region_blocks - state.held_blocks if state else 0)
+
+
 class _BlockIds:
     """The block ids of a row of ``KVCacheBlock`` objects, read lazily (the planner reads a few slices only)."""
 
@@ -138,9 +144,8 @@ class SchedulerCompressor:
         return cached[1]
 
     def held_blocks(self, req_id: str, row: list) -> int:
-        """Blocks of ``row`` that are not null, without scanning it: ``j - k`` entries of its region are null."""
-        state = self.states.get(req_id)
-        return len(row) - (state.region_blocks - state.held_blocks if state else 0)
+        """Blocks of ``row`` that are not null (see :func:`non_null_blocks`)."""
+        return non_null_blocks(row, self.states.get(req_id))
 
     # ------------------------------------------------------------------------------------------------
     def before_schedule(self, scheduler: Any) -> None:
@@ -172,8 +177,7 @@ class SchedulerCompressor:
                                     request.num_prompt_tokens, video, state, self.settings, self.block_size)
             if plan is None:
                 continue
-            k = plan.num_keep // plan.block_size
-            freed = [*row[: plan.prev_held_blocks], *row[plan.prev_region_blocks: plan.region_blocks]][k:]
+            freed = plan.held_entries(row)[plan.num_keep // plan.block_size:]
             plan.compact_row(row, self.pool.null_block)
             self.pool.free_blocks(reversed(freed))
             new_state = apply_plan(state, plan)
@@ -260,16 +264,16 @@ class SchedulerCompressor:
 def describe_requests(scheduler: Any, compressor: SchedulerCompressor | None) -> dict[str, RequestCompression]:
     """Every request ``scheduler`` holds blocks for, with its compression state (any policy, ``none`` too)."""
     manager = compressor.manager if compressor else scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+    markers = compressor.markers if compressor else marker_token_ids(scheduler.vllm_config.model_config)
     out = {}
     for req_id, row in manager.req_to_blocks.items():
         request = scheduler.requests.get(req_id)
         if request is None:
             continue
-        video = compressor.spans_of(request) if compressor else video_spans(request, marker_token_ids(
-            scheduler.vllm_config.model_config))
+        video = compressor.spans_of(request) if compressor else video_spans(request, markers)
         state = (compressor.states.get(req_id) if compressor else None) or RequestCompressionState()
         out[req_id] = RequestCompression(
-            region_blocks=state.region_blocks, held_blocks=len(row) - (state.region_blocks - state.held_blocks),
+            region_blocks=state.region_blocks, held_blocks=non_null_blocks(row, state),
             held_video_tokens=held_video_tokens(state, video, request.num_computed_tokens, manager.block_size),
             video_tokens=video.total, compressions=state.compressions, evicted_tokens=state.evicted_tokens)
     return out

@@ -184,11 +184,10 @@ class WorkerCompressor:
     def on_step(self, runner: Any, scheduler_output: Any) -> None:
         """Drop requests that left, then carry out this step's plans."""
         # A preempted request recomputes from scratch (its state goes when it is preempted); a resumed
-        # streaming session keeps its KV and compressed region, but its prompt (and M-RoPE positions) grew.
+        # streaming session keeps its KV and compressed region (its frames are re-read once its prompt grew).
         gone = set(scheduler_output.finished_req_ids or ()) | set(scheduler_output.preempted_req_ids or ())
         gone |= {r for r in self.requests if r not in runner.requests}
         for req_id in scheduler_output.scheduled_cached_reqs.resumed_req_ids or ():
-            self.frames.pop(req_id, None)
             state = runner.requests.get(req_id)
             if state is None or state.num_computed_tokens == 0:
                 gone.add(req_id)  # resumed after a preemption: recomputes from scratch
@@ -220,8 +219,7 @@ class WorkerCompressor:
     # ------------------------------------------------------------------------------------------------
     def _rewrite_rows(self, runner: Any, plan: CompressionPlan) -> None:
         row = runner.requests[plan.req_id].block_ids[0]
-        held = [*row[: plan.prev_held_blocks], *row[plan.prev_region_blocks: plan.region_blocks]]
-        if held != list(plan.src_blocks):
+        if plan.held_entries(row) != list(plan.src_blocks):
             raise AssertionError(f"worker row of {plan.req_id} disagrees with the scheduler's plan")
         plan.compact_row(row, NULL_BLOCK_ID)
         index = runner.input_batch.req_id_to_index.get(plan.req_id)

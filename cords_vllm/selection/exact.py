@@ -100,23 +100,23 @@ def _labelled_frames(selector: Selector, keys: torch.Tensor, values: torch.Tenso
     edge &= (n_edge < group_size) & (n_edge < need)
     rest = cand & ~edge
     still = need - edge.sum(-1)  # [B] candidates to choose besides the edge frame
+    gid, count = labelled_group_ids(labels, rest, group_size)
     if frame_budget is None:
-        frame_budget = _frames_holding(labels, rest, still, group_size)
+        frame_budget = _frames_holding(gid, count, still)
     result = selector.select(keys, values, frame_budget * group_size, candidates=rest, granularity="frame",
                              group_size=group_size, group_index=labels, generator=generator)
-    gid, _ = labelled_group_ids(labels, rest, group_size)
     return ~cand | edge | _first_chosen(result.keep & rest, gid, result.order, still)
 
 
-def _frames_holding(labels: torch.Tensor, rest: torch.Tensor, still: torch.Tensor, group_size: int) -> int:
+def _frames_holding(gid: torch.Tensor, count: torch.Tensor, still: torch.Tensor) -> int:
     """The fewest frames any choice of which holds ``still[b]`` tokens in every problem ``b`` (one host sync).
 
     Reads each problem's frame sizes back to the host (the only data-dependent count of an exact frame
     selection), sorts them and counts the smallest frames needed: any that many frames hold enough.
+    ``gid``: ``long [B, T]`` frame of each candidate (``-1``: none), ``count``: ``long [B]`` frames per problem.
     """
-    gid, count = labelled_group_ids(labels, rest, group_size)
-    b, t = rest.shape
-    sizes = torch.zeros((b, t + 1), dtype=torch.long, device=rest.device)
+    b, t = gid.shape
+    sizes = torch.zeros((b, t + 1), dtype=torch.long, device=gid.device)
     sizes.scatter_add_(1, torch.where(gid >= 0, gid, t), torch.ones_like(gid))
     sizes = torch.sort(torch.where(sizes[:, :t] > 0, sizes[:, :t], t + 1), dim=-1).values  # smallest first
     prefix = torch.cumsum(torch.where(sizes <= t, sizes, 0), dim=-1)
