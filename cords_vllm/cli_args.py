@@ -15,7 +15,9 @@ module wraps three ``EngineArgs`` methods with the plugin's one patch mechanism
   model in the ``VllmConfig`` vLLM built (:mod:`cords_vllm.startup_checks`), and logs one INFO line naming
   the policy, every setting in force and every engine setting it changed.
 
-With ``--kv-policy none`` (the default) nothing is added to ``additional_config``.
+With ``--kv-policy none`` (the default) nothing is added to ``additional_config``. The ``--kv-stream*`` flags
+configure the stream API (:mod:`cords_vllm.streams`), which runs in the API server and reads them from the
+server's arguments.
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ from cords_vllm.config import (
     ADDITIONAL_CONFIG_CONFIG,
     ADDITIONAL_CONFIG_POLICY,
     ENGINE_KEYS,
-    NO_POLICY,
     KVPolicyConfig,
     KVPolicyConfigError,
     available_policies,
@@ -58,10 +59,31 @@ def add_kv_policy_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         title="KV policy (cords-vllm)",
         description="Compress each video request's paged KV cache while it is prefilled.",
     )
-    group.add_argument("--kv-policy", type=str, default=NO_POLICY, choices=available_policies(),
-                       help="KV cache eviction policy for video requests ('none' leaves the engine untouched).")
+    group.add_argument("--kv-policy", type=str, default=None, choices=available_policies(),
+                       help="KV cache eviction policy for video requests ('none', the default, leaves the engine "
+                            "untouched). Giving it (any policy, 'none' included) also turns on the stream API.")
     group.add_argument("--kv-policy-config", type=str, default=None, help=_help_text())
+    group.add_argument("--kv-streams", action=argparse.BooleanOptionalAction, default=None,
+                       help="Serve the live video stream API (/v1/streams). Default: on when --kv-policy is given.")
+    group.add_argument("--kv-stream-idle-timeout", type=_positive(float), default=300.0, metavar="SECONDS",
+                       help="Seconds a stream may stay idle before it expires and its KV is freed (default 300).")
+    group.add_argument("--kv-stream-max-open", type=_positive(int), default=64, metavar="N",
+                       help="Most streams open at once on one API server (default 64).")
+    group.add_argument("--kv-stream-max-frames", type=_positive(int), default=256, metavar="N",
+                       help="Most frames one append may carry (default 256).")
     return parser
+
+
+def _positive(kind: type) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+    return parse
 
 
 def merge_into_additional_config(additional_config: dict[str, Any] | None, policy: str | None,

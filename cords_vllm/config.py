@@ -51,8 +51,20 @@ ENGINE_KEYS: dict[str, str] = {
 }
 
 
+#: ``SamplingParams.extra_args`` key under which one request narrows the server's policy (see
+#: :meth:`KVPolicyConfig.narrowed`); the stream API sets it for streams opened with overrides.
+REQUEST_OVERRIDES_KEY = "kv_policy"
+#: Keys a request may narrow, each at most the server's value (so the start-up rule still holds).
+REQUEST_KEYS = ("budget", "recent")
+
+
 class KVPolicyConfigError(ValueError):
-    """A ``--kv-policy`` / ``--kv-policy-config`` value that cannot be used; the message says why."""
+    """A ``--kv-policy`` / ``--kv-policy-config`` value that cannot be used; the message says why and ``key``
+    names the offending key where there is one."""
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
 
 
 def available_policies() -> list[str]:
@@ -179,6 +191,30 @@ class KVPolicyConfig:
         limit = DEFAULT_MAX_TEXT_TOKENS if self.max_text_tokens is None else self.max_text_tokens
         return min(limit, max_model_len)
 
+    def narrowed(self, overrides: Mapping[str, Any] | None) -> KVPolicyConfig:
+        """This configuration with one request's ``overrides`` of :data:`REQUEST_KEYS` applied.
+
+        A request may only lower ``budget`` and ``recent`` (the pool was sized for the server's values); the
+        error names the offending key and the allowed range.
+        """
+        if not overrides:
+            return self
+        if not isinstance(overrides, Mapping):
+            raise KVPolicyConfigError(f"kv_policy overrides must be an object, got {type(overrides).__name__}")
+        unknown = sorted(set(overrides) - set(REQUEST_KEYS))
+        if unknown:
+            raise KVPolicyConfigError(f"kv_policy override {unknown[0]!r} is not allowed; a request may set "
+                                      f"{', '.join(REQUEST_KEYS)}", unknown[0])
+        budget = _int(overrides, "budget", self.budget, minimum=1)
+        if budget > self.budget:
+            raise KVPolicyConfigError(f"kv_policy override 'budget' must be at most the server's budget "
+                                      f"({self.budget}), got {budget}", "budget")
+        recent = _int(overrides, "recent", min(self.recent, budget - 1), minimum=0)
+        if recent > self.recent or recent >= budget:
+            raise KVPolicyConfigError(f"kv_policy override 'recent' must be at most the server's recent window "
+                                      f"({self.recent}) and below budget ({budget}), got {recent}", "recent")
+        return dataclasses.replace(self, budget=budget, recent=recent)
+
     def anchor_of(self, layer: int, num_layers: int) -> int:
         """The anchor layer whose selection ``layer`` reuses.
 
@@ -227,7 +263,8 @@ def _load_json_object(config: str | Mapping[str, Any] | None) -> dict[str, Any]:
 def _int(values: Mapping[str, Any], key: str, default: int, *, minimum: int) -> int:
     value = values.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise KVPolicyConfigError(f"kv_policy_config key {key!r} must be an integer >= {minimum}, got {value!r}")
+        raise KVPolicyConfigError(f"kv_policy_config key {key!r} must be an integer >= {minimum}, got {value!r}",
+                                  key)
     return value
 
 

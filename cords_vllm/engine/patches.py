@@ -40,10 +40,11 @@ def scheduler_hooks(scheduler: Any) -> SchedulerHooks:
     """The scheduler's :class:`SchedulerHooks`, created (with its compressor) on first use."""
     hooks = attached(scheduler, _MISSING)
     if hooks is _MISSING:
+        from cords_vllm.engine.held_kv import HeldKVPublisher
         from cords_vllm.engine.scheduler import SchedulerCompressor
 
         policy = policy_of(scheduler.vllm_config)
-        hooks = SchedulerHooks(SchedulerCompressor(policy, scheduler) if policy else None)
+        hooks = SchedulerHooks(SchedulerCompressor(policy, scheduler) if policy else None, [HeldKVPublisher()])
         attach(scheduler, hooks)
         attach(scheduler.kv_cache_manager, hooks.compressor)
     return hooks

@@ -32,7 +32,7 @@ from cords_vllm.compress.plan import (
     next_compression_point,
     plan_compression,
 )
-from cords_vllm.config import KVPolicyConfig
+from cords_vllm.config import REQUEST_OVERRIDES_KEY, KVPolicyConfig, KVPolicyConfigError
 from cords_vllm.engine.checks import single_kv_cache_group
 from cords_vllm.engine.protocol import attach_plans
 from cords_vllm.observability import CounterSink
@@ -132,7 +132,8 @@ class SchedulerCompressor:
         self.spans: dict[str, tuple[int, VideoSpans]] = {}
         self.pending: list[CompressionPlan] = []
         self.footprints: dict[str, tuple[int, int]] = {}
-        self.over_text: set[str] = set()
+        self.ending: set[str] = set()
+        self.request_settings: dict[str, tuple[Any, BudgetSettings]] = {}
         self.sink = CounterSink("scheduler")
 
     def spans_of(self, request: Any) -> VideoSpans:
@@ -154,12 +155,11 @@ class SchedulerCompressor:
             state = self.states.pop(req_id)
             logger.debug("cords-vllm: request %s done: %d compressions, %d video tokens evicted", req_id,
                          state.compressions, state.evicted_tokens)
-        self.over_text &= set(scheduler.requests)
-        for cache in (self.spans, self.footprints):
+        self.ending &= set(scheduler.requests)
+        for cache in (self.spans, self.footprints, self.request_settings):
             for req_id in [r for r in cache if r not in scheduler.requests]:
                 cache.pop(req_id)
-        if self.text_limit < self.max_model_len:
-            self._end_requests_over_text_budget(scheduler)
+        self._end_invalid_requests(scheduler)
         for request in scheduler.running:
             req_id = request.request_id
             state = self.states.get(req_id)
@@ -174,7 +174,8 @@ class SchedulerCompressor:
                 continue
             state = state or RequestCompressionState()
             plan = plan_compression(req_id, _BlockIds(row), request.num_computed_tokens,
-                                    request.num_prompt_tokens, video, state, self.settings, self.block_size)
+                                    request.num_prompt_tokens, video, state, self.settings_of(request),
+                                    self.block_size)
             if plan is None:
                 continue
             freed = plan.held_entries(row)[plan.num_keep // plan.block_size:]
@@ -189,20 +190,54 @@ class SchedulerCompressor:
                          req_id, request.num_computed_tokens, plan.region_blocks, len(freed),
                          plan.num_keep_video)
 
-    def _end_requests_over_text_budget(self, scheduler: Any) -> None:
-        """End waiting requests (new ones, and sessions whose next turn arrived) holding more non-video tokens
-        than ``max_text_tokens``: the start-up rule only promised the pool their bounded footprint.
+    def settings_of(self, request: Any) -> BudgetSettings:
+        """The request's budget settings: the server's, narrowed by the request's own overrides if it has any
+        (``SamplingParams.extra_args["kv_policy"]``, see :meth:`~cords_vllm.config.KVPolicyConfig.narrowed`).
+
+        A request with invalid overrides is ended with an error before it is scheduled
+        (:meth:`_end_invalid_requests`); until then it is planned with the server's settings.
+        """
+        params = getattr(request, "sampling_params", None)
+        overrides = (params.extra_args or {}).get(REQUEST_OVERRIDES_KEY) if params is not None else None
+        if not overrides:
+            return self.settings
+        cached = self.request_settings.get(request.request_id)
+        if cached is None or cached[0] != overrides:
+            try:
+                narrowed = self.config.narrowed(overrides)
+            except KVPolicyConfigError:
+                return self.settings
+            cached = (dict(overrides), BudgetSettings(narrowed.budget, narrowed.recent, narrowed.slack))
+            self.request_settings[request.request_id] = cached
+        return cached[1]
+
+    def _end_invalid_requests(self, scheduler: Any) -> None:
+        """End waiting requests (new ones, and sessions whose next turn arrived) that the policy cannot serve:
+        more non-video tokens than ``max_text_tokens`` (the start-up rule only promised the pool their bounded
+        footprint), or invalid per-request overrides.
 
         They go through vLLM's own error channel (the ids the scheduler ends with ``FINISHED_ERROR``, and
         reports to the client, when it processes the step's output).
         """
         limit = self.text_limit
         for request in [*scheduler.waiting, *getattr(scheduler, "kv_holding_waiting", ())]:
+            if request.request_id in self.ending:
+                continue
+            reason = None
             text = request.num_tokens - self.spans_of(request).total
-            if text > limit and request.request_id not in self.over_text:
-                self.over_text.add(request.request_id)
-                logger.warning("cords-vllm: request %s holds %d non-video tokens, more than kv_policy_config key "
-                               "'max_text_tokens' (%d): it is ended with an error", request.request_id, text, limit)
+            if text > limit:
+                reason = (f"holds {text} non-video tokens, more than kv_policy_config key 'max_text_tokens' "
+                          f"({limit})")
+            params = getattr(request, "sampling_params", None)
+            overrides = (params.extra_args or {}).get(REQUEST_OVERRIDES_KEY) if params is not None else None
+            if reason is None and overrides:
+                try:
+                    self.config.narrowed(overrides)
+                except KVPolicyConfigError as exc:
+                    reason = str(exc)
+            if reason is not None:
+                self.ending.add(request.request_id)
+                logger.warning("cords-vllm: request %s %s: it is ended with an error", request.request_id, reason)
                 scheduler.encoder_cache_mismatch_reqs.add(request.request_id)
 
     def after_schedule(self, scheduler_output: Any) -> None:
@@ -226,8 +261,8 @@ class SchedulerCompressor:
         if video.total == 0 or num_computed >= request.num_prompt_tokens:
             return None
         state = self.states.get(request.request_id) or RequestCompressionState()
-        point = next_compression_point(state, video, num_computed, request.num_prompt_tokens, self.settings,
-                                       self.block_size)
+        point = next_compression_point(state, video, num_computed, request.num_prompt_tokens,
+                                       self.settings_of(request), self.block_size)
         return None if point is None else point - num_computed
 
     def admission_cap(self, request: Any) -> int | None:
@@ -241,7 +276,7 @@ class SchedulerCompressor:
             if video.total == 0:
                 return None
             cached = self.footprints[request.request_id] = (request.num_tokens, compressed_footprint_blocks(
-                request.num_tokens, video.total, self.settings, self.block_size))
+                request.num_tokens, video.total, self.settings_of(request), self.block_size))
         return cached[1]
 
     def growth_reserve(self, request: Any) -> int:

@@ -1,0 +1,94 @@
+"""The stream API as a vLLM endpoint plugin (entry-point group ``vllm.endpoint_plugins``).
+
+vLLM 0.32 loads endpoint plugins only when ``VLLM_PLUGINS`` names them, and that variable also narrows the
+*general* plugins every process loads to the same list, so it cannot be the switch of a plugin that must run
+everywhere. The stream API is therefore on whenever ``--kv-policy`` is given (any policy, ``none``
+included, so policies compare through the same API), and ``--kv-streams`` / ``--no-kv-streams`` force it on
+or off. :data:`ATTACH_PATCH` adds the plugin in ``build_app`` when vLLM's own loading did not;
+``VLLM_PLUGINS=...,cords_vllm_streams`` loads it the upstream way (never twice).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from cords_vllm.engine.patching import Patch
+
+logger = logging.getLogger(__name__)
+
+PLUGIN_NAME = "cords_vllm_streams"
+
+
+def streams_enabled(args: argparse.Namespace | None) -> bool:
+    """``--kv-streams`` if given, else whether ``--kv-policy`` was given."""
+    if args is None:
+        return False
+    forced = getattr(args, "kv_streams", None)
+    if forced is not None:
+        return bool(forced)
+    return getattr(args, "kv_policy", None) is not None
+
+
+def limits_from_args(args: argparse.Namespace) -> Any:
+    from cords_vllm.streams.registry import StreamLimits
+
+    defaults = StreamLimits()
+    return StreamLimits(
+        idle_timeout_s=getattr(args, "kv_stream_idle_timeout", None) or defaults.idle_timeout_s,
+        max_streams=getattr(args, "kv_stream_max_open", None) or defaults.max_streams,
+        max_frames_per_push=getattr(args, "kv_stream_max_frames", None) or defaults.max_frames_per_push,
+    )
+
+
+class StreamsPlugin:
+    """``EndpointPlugin``: the ``/v1/streams`` routes and their per-app state (the stream registry)."""
+
+    name = PLUGIN_NAME
+    required_tasks = ("generate",)
+
+    def attach_router(self, app: Any) -> None:
+        from cords_vllm.streams.api import APIError, router
+
+        app.include_router(router)
+        app.add_exception_handler(APIError, lambda _request, exc: exc.response())
+
+    async def init_state(self, engine_client: Any, state: Any, args: argparse.Namespace) -> None:
+        from cords_vllm.config import KVPolicyConfig
+        from cords_vllm.streams.api import STATE_KEY
+        from cords_vllm.streams.registry import StreamRegistry
+
+        if engine_client is None:  # the render-only server has no engine: the routes answer 503
+            return
+        vllm_config = engine_client.vllm_config
+        names = getattr(args, "served_model_name", None)
+        model = names[0] if names else vllm_config.model_config.model
+        registry = StreamRegistry(engine_client, limits_from_args(args),
+                                  policy=KVPolicyConfig.from_vllm_config(vllm_config), model_name=model,
+                                  block_size=vllm_config.cache_config.block_size)
+        setattr(state, STATE_KEY, registry)
+        logger.info("cords-vllm: stream API on /v1/streams (idle timeout %g s, at most %d open streams)",
+                    registry.limits.idle_timeout_s, registry.limits.max_streams)
+
+
+def _make_attach(original: Callable) -> Callable:
+    def attach_endpoint_plugins(app, supported_tasks, *args, **kwargs):
+        original(app, supported_tasks, *args, **kwargs)
+        plugins = list(getattr(app.state, "endpoint_plugins", None) or [])
+        if not streams_enabled(getattr(app.state, "args", None)) or "generate" not in (supported_tasks or ()):
+            return
+        if any(getattr(p, "name", None) == PLUGIN_NAME for p in plugins):
+            return
+        plugin = StreamsPlugin()
+        plugin.attach_router(app)
+        app.state.endpoint_plugins = [*plugins, plugin]
+        app.openapi_schema = None
+    return attach_endpoint_plugins
+
+
+ATTACH_PATCH = Patch(
+    "vllm.entrypoints.launchers.app:attach_endpoint_plugins", ("app", "supported_tasks"), _make_attach,
+    why="endpoint plugins load only when VLLM_PLUGINS names them, and that variable also narrows every "
+        "process's general plugins: turn the stream API on with --kv-policy / --kv-streams instead")

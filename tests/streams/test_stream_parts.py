@@ -1,0 +1,103 @@
+"""The stream API's pure parts: turn texts, frame decoding, per-stream overrides, and when the routes exist."""
+
+from __future__ import annotations
+
+import argparse
+import base64
+
+import numpy as np
+import pytest
+
+from cords_vllm.client import encode_frame, frame_data_url
+from cords_vllm.config import KVPolicyConfig, KVPolicyConfigError
+from cords_vllm.streams.frames import FrameError, decode_clip, decode_image, parse_data_url, stack_frames
+from cords_vllm.streams.transcript import ASSISTANT, END, SYSTEM, USER, VIDEO, Transcript
+from cords_vllm.vqa.prompt import build_prompt
+
+
+def test_a_stream_with_one_clip_and_a_question_is_the_one_shot_prompt():
+    t = Transcript()
+    text = t.clip() + t.question("What color was the square?")
+    assert text == build_prompt("What color was the square?")
+
+
+def test_turns_after_an_answer_close_it_first():
+    t = Transcript()
+    assert t.clip() == SYSTEM + USER + VIDEO
+    assert t.clip() == VIDEO
+    assert t.question("q1") == "q1" + END + ASSISTANT
+    assert t.question("q2") == END + USER + "q2" + END + ASSISTANT  # the engine discarded the answer's end token
+    assert t.clip() == END + USER + VIDEO
+
+
+def test_frames_decode_from_jpeg_and_png_data_urls():
+    frame = (np.arange(32 * 48 * 3) % 251).astype(np.uint8).reshape(32, 48, 3)
+    for fmt in ("png", "jpeg"):
+        media, data = parse_data_url(frame_data_url(frame, fmt), "frames[0]", ("image/png", "image/jpeg"))
+        decoded = decode_image(data, "frames[0]")
+        assert decoded.shape == (32, 48, 3) and media == f"image/{fmt}"
+    assert np.array_equal(decode_image(encode_frame(frame, "png"), "f"), frame)  # PNG is lossless
+
+
+def test_a_jpeg_frame_list_clip_decodes_every_frame():
+    frames = np.zeros((3, 28, 28, 3), np.uint8)
+    payload = ",".join(base64.b64encode(encode_frame(f)).decode() for f in frames)
+    media, data = parse_data_url(f"data:video/jpeg;base64,{payload}", "video", ("video/jpeg",))
+    assert decode_clip(media, data, "video").shape == (3, 28, 28, 3)
+
+
+@pytest.mark.parametrize(("url", "field_message"), [
+    ("http://example.com/a.png", "data URL"),
+    ("data:image/png,abc", "base64"),
+    ("data:image/bmp;base64,AAAA", "not supported"),
+    ("data:image/png;base64,!!!!", "valid base64"),
+])
+def test_bad_data_urls_name_the_field(url, field_message):
+    with pytest.raises(FrameError) as err:
+        parse_data_url(url, "frames[2]", ("image/png", "image/jpeg"))
+    assert err.value.field == "frames[2]" and field_message in err.value.message
+
+
+def test_frames_of_one_push_share_a_size():
+    with pytest.raises(FrameError) as err:
+        stack_frames([np.zeros((28, 28, 3), np.uint8), np.zeros((56, 28, 3), np.uint8)], "frames")
+    assert err.value.field == "frames[1]"
+    with pytest.raises(FrameError):
+        decode_image(b"not an image", "frames[0]")
+
+
+def test_overrides_may_only_narrow_the_servers_policy():
+    server = KVPolicyConfig.parse("cords", {"budget": 256, "recent": 64})
+    narrowed = server.narrowed({"budget": 128})
+    assert (narrowed.budget, narrowed.recent) == (128, 64)
+    assert server.narrowed({"budget": 32}).recent == 31  # recent stays below budget
+    assert server.narrowed(None) is server
+    for bad, key in [({"budget": 512}, "budget"), ({"recent": 128}, "recent"), ({"budget": 0}, "budget"),
+                     ({"budget": 64, "recent": 64}, "recent"), ({"slack": 1}, "slack"), ({"budget": "x"}, "budget")]:
+        with pytest.raises(KVPolicyConfigError) as err:
+            server.narrowed(bad)
+        assert err.value.key == key
+
+
+@pytest.mark.parametrize(("argv", "on"), [
+    ([], False), (["--kv-policy", "none"], True), (["--kv-policy", "cords"], True),
+    (["--kv-policy", "cords", "--no-kv-streams"], False), (["--kv-streams"], True),
+])
+def test_the_stream_routes_exist_exactly_when_switched_on(argv, on):
+    """Through vLLM's own ``build_app`` path: the patched plugin attachment adds the routes (and the OpenAPI
+    entries) when ``--kv-policy`` or ``--kv-streams`` says so."""
+    import cords_vllm.plugin
+    from fastapi import FastAPI
+    from vllm.engine.arg_utils import EngineArgs
+
+    cords_vllm.plugin.register()
+    from vllm.entrypoints.launchers import app as app_module
+
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    app = FastAPI()
+    app.state.args = parser.parse_args(argv)
+    app_module.attach_endpoint_plugins(app, ("generate",))
+    paths = {getattr(r, "path", None) for r in app.routes}
+    assert ("/v1/streams/{stream_id}/ask" in paths) == on
+    assert ("/v1/streams" in app.openapi()["paths"]) == on
