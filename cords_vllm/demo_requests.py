@@ -1,6 +1,6 @@
-"""The main job in one command: serve a tiny local Qwen2-VL with ``--kv-policy cords`` and answer videos.
+"""One-shot video requests through the OpenAI client, under ``--kv-policy none`` and ``cords``.
 
-``python -m cords_vllm.demo`` (``make demo``) serves the tiny Qwen2-VL trained here on synthetic video
+``python -m cords_vllm.demo_requests`` serves the tiny Qwen2-VL trained here on synthetic video
 questions (``cords_vllm/assets/tiny_vqa``, shipped with the package) twice, with ``--kv-policy none`` and
 ``--kv-policy cords``, each on 127.0.0.1 with the same small KV pool (room for ``--pool-videos``
 uncompressed videos). The same concurrent chat requests, each a 128-frame video (1,024 video tokens) with a
@@ -32,7 +32,7 @@ TABLE = [("label", "policy", "{}"), ("peak_kv_blocks", "peak KV blocks", "{}"),
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m cords_vllm.demo", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m cords_vllm.demo_requests", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", choices=["trained", "random"], default="trained",
                    help="the shipped video-QA model, or a random tiny model (default: %(default)s)")
     p.add_argument("--requests", type=int, default=8, help="concurrent video requests (default: %(default)s)")

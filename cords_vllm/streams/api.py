@@ -98,14 +98,24 @@ class StreamObject(BaseModel):
     idle_seconds: float
     expires_in_seconds: float | None
     kv_policy: dict[str, Any]
+    footprint_blocks: int = Field(description="the most KV blocks this stream can ever hold (admission)")
     kv: KVHeld | None = Field(description="KV held now (published by the engine at most ~0.5 s ago); null "
                                           "before the engine has seen the stream")
     metadata: dict[str, str]
 
 
+class Capacity(BaseModel):
+    pool_blocks: int | None = Field(description="usable blocks of the KV pool")
+    committed_blocks: int = Field(description="the most blocks the open streams may hold together")
+    stream_footprint_blocks: int = Field(description="the most blocks a stream with the server's policy may hold")
+    max_streams: int = Field(description="streams of that footprint this server admits at once")
+    open_streams: int
+
+
 class StreamList(BaseModel):
     object: str = "list"
     data: list[StreamObject]
+    capacity: Capacity
 
 
 class AppendFramesResponse(BaseModel):
@@ -172,7 +182,7 @@ def describe(registry: StreamRegistry, stream: LiveStream, held: dict[str, Any] 
         pending_frames=0 if stream.pending_frames is None else len(stream.pending_frames),
         idle_seconds=round(idle, 3),
         expires_in_seconds=None if stream.busy else round(max(0.0, registry.limits.idle_timeout_s - idle), 3),
-        kv_policy=registry.policy_of(stream),
+        kv_policy=registry.policy_of(stream), footprint_blocks=stream.footprint_blocks,
         kv=None if kv is None or stream.ended else KVHeld(blocks=kv.blocks, tokens=kv.tokens,
                                                           stream_tokens=kv.stream_tokens,
                                                           block_size=registry.block_size),
@@ -185,7 +195,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"description": text} for code, text in (
         (400, "invalid input; `error.param` names the field"), (401, "missing or wrong API key"),
         (404, "no such stream"), (410, "the stream has ended (`error.message` says why)"),
-        (429, "the cap on open streams is reached"))}
+        (429, "the cap on open streams is reached, or the KV pool is committed to the open streams"))}
 
 
 @router.post("", status_code=201, response_model=StreamObject, responses=_ERRORS,
@@ -199,8 +209,7 @@ async def open_stream(request: Request, body: OpenStreamRequest | None = None) -
         if error is not None:
             raise APIError(400, error[1], f"kv_policy.{error[0]}")
     try:
-        stream = registry.open(extra_args={registry.overrides_key: overrides} if overrides else None,
-                               metadata=body.metadata)
+        stream = registry.open(overrides=overrides or None, metadata=body.metadata)
     except TooManyStreams as exc:
         raise APIError(429, str(exc)) from None
     return describe(registry, stream, {})
@@ -212,7 +221,8 @@ async def list_streams(request: Request) -> Any:
 
     registry = _registry(request)
     held = read_held_kv()
-    return StreamList(data=[describe(registry, s, held) for s in list(registry.streams.values())])
+    return StreamList(data=[describe(registry, s, held) for s in list(registry.streams.values())],
+                      capacity=Capacity(**registry.capacity()))
 
 
 @router.get("/{stream_id}", response_model=StreamObject, responses=_ERRORS, summary="One stream")

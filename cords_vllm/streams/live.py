@@ -108,6 +108,8 @@ class LiveStream:
         self.stats = StreamStats()
         self.transcript = Transcript()
         self.ended: str | None = None
+        #: The most KV blocks the stream can hold (set by the registry when it admits the stream).
+        self.footprint_blocks = 0
         self.pending_frames: np.ndarray | None = None
         self._inputs: asyncio.Queue[Any] = asyncio.Queue()
         self._turn: Turn | None = None

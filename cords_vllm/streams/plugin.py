@@ -65,12 +65,18 @@ class StreamsPlugin:
         vllm_config = engine_client.vllm_config
         names = getattr(args, "served_model_name", None)
         model = names[0] if names else vllm_config.model_config.model
+        num_blocks = vllm_config.cache_config.num_gpu_blocks
         registry = StreamRegistry(engine_client, limits_from_args(args),
                                   policy=KVPolicyConfig.from_vllm_config(vllm_config), model_name=model,
-                                  block_size=vllm_config.cache_config.block_size)
+                                  block_size=vllm_config.cache_config.block_size,
+                                  pool_blocks=num_blocks - 1 if num_blocks else None,  # block 0 is the null block
+                                  max_model_len=vllm_config.model_config.max_model_len)
         setattr(state, STATE_KEY, registry)
-        logger.info("cords-vllm: stream API on /v1/streams (idle timeout %g s, at most %d open streams)",
-                    registry.limits.idle_timeout_s, registry.limits.max_streams)
+        capacity = registry.capacity()
+        logger.info("cords-vllm: stream API on /v1/streams: idle timeout %g s; a stream holds at most %d KV "
+                    "blocks, so %d streams fit the pool of %s blocks (--kv-stream-max-open %d)",
+                    registry.limits.idle_timeout_s, capacity["stream_footprint_blocks"], capacity["max_streams"],
+                    capacity["pool_blocks"], registry.limits.max_streams)
 
 
 def _make_attach(original: Callable) -> Callable:

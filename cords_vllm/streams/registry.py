@@ -15,6 +15,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from cords_vllm.compress.plan import BudgetSettings, stream_footprint_blocks
 from cords_vllm.config import REQUEST_OVERRIDES_KEY, KVPolicyConfig, KVPolicyConfigError
 from cords_vllm.streams.live import LiveStream
 
@@ -55,38 +56,77 @@ class StreamNotFound(KeyError):
 
 
 class TooManyStreams(RuntimeError):
-    """The server's cap on open streams is reached."""
+    """The server's cap on open streams is reached, or the KV pool is committed to the open streams."""
 
 
 class StreamRegistry:
     """Open streams by id, with the cap and a background expiry task.
 
     ``policy`` is the server's KV policy, ``model_name`` the name answers carry, ``block_size`` the KV block
-    size (for listings).
+    size, ``pool_blocks`` the usable blocks of the KV pool and ``max_model_len`` the server's.
+
+    **Admission.** Each stream is admitted with the most blocks it can ever hold (:meth:`footprint_blocks`):
+    under a policy its bounded footprint (``max_text_tokens + budget + slack`` plus two blocks, the start-up
+    rule's), under ``none`` a ``--max-model-len`` request. A stream that would take the open streams' total
+    past the pool is refused (429), instead of being admitted and stalling every stream once the pool is full
+    (vLLM does not preempt sessions that wait for their next input). So the pool is never over-committed and
+    a router can place streams by :meth:`capacity`.
     """
 
     overrides_key = REQUEST_OVERRIDES_KEY
 
     def __init__(self, engine: Any, limits: StreamLimits, *, policy: KVPolicyConfig | None = None,
-                 model_name: str = "", block_size: int = 0) -> None:
+                 model_name: str = "", block_size: int = 16, pool_blocks: int | None = None,
+                 max_model_len: int = 1 << 30) -> None:
         self.engine = engine
         self.limits = limits
         self.policy = policy or KVPolicyConfig()
         self.model_name = model_name
         self.block_size = block_size
+        self.pool_blocks = pool_blocks
+        self.max_model_len = max_model_len
         self.streams: dict[str, LiveStream] = {}
         self.expired = 0
         #: Why recently removed streams went (bounded), so a late client is told "expired", not "unknown".
         self.gone: OrderedDict[str, str] = OrderedDict()
         self._reaper: asyncio.Task | None = None
 
-    def open(self, **kwargs: Any) -> LiveStream:
-        """A new stream (raises :class:`TooManyStreams` at the cap)."""
+    def footprint_blocks(self, overrides: dict[str, Any] | None = None) -> int:
+        """The most KV blocks one stream (with these ``kv_policy`` overrides) can ever hold."""
+        if not self.policy.enabled:
+            return -(-self.max_model_len // self.block_size)
+        policy = self.policy.narrowed(overrides)
+        return stream_footprint_blocks(policy.text_limit(self.max_model_len),
+                                       BudgetSettings(policy.budget, policy.recent, policy.slack), self.block_size)
+
+    def committed_blocks(self) -> int:
+        """Blocks the open streams may hold at most, together."""
+        return sum(s.footprint_blocks for s in self.streams.values() if not s.ended)
+
+    def capacity(self) -> dict[str, Any]:
+        """What a router needs to place streams here: pool, committed blocks, a default stream's footprint."""
+        footprint = self.footprint_blocks()
+        by_pool = self.pool_blocks // footprint if self.pool_blocks else self.limits.max_streams
+        return {"pool_blocks": self.pool_blocks, "committed_blocks": self.committed_blocks(),
+                "stream_footprint_blocks": footprint, "max_streams": min(self.limits.max_streams, by_pool),
+                "open_streams": len(self.streams)}
+
+    def open(self, *, overrides: dict[str, Any] | None = None, **kwargs: Any) -> LiveStream:
+        """A new stream (raises :class:`TooManyStreams` at the cap or when the pool is committed)."""
         if len(self.streams) >= self.limits.max_streams:
             raise TooManyStreams(f"{len(self.streams)} streams are open, the most this server allows "
                                  f"(--kv-stream-max-open {self.limits.max_streams}); close one or wait for one to "
                                  f"expire")
-        stream = LiveStream(self.engine, **kwargs)
+        footprint = self.footprint_blocks(overrides)
+        committed = self.committed_blocks()
+        if self.pool_blocks is not None and committed + footprint > self.pool_blocks:
+            raise TooManyStreams(
+                f"the KV pool ({self.pool_blocks} blocks) is committed to {len(self.streams)} open streams "
+                f"({committed} blocks at most); a new stream may hold up to {footprint} blocks. Close a stream, "
+                f"wait for one to expire, or open one with a smaller kv_policy budget")
+        stream = LiveStream(self.engine, extra_args={REQUEST_OVERRIDES_KEY: overrides} if overrides else None,
+                            **kwargs)
+        stream.footprint_blocks = footprint
         self.streams[stream.id] = stream
         self._ensure_reaper()
         return stream
@@ -138,8 +178,12 @@ class StreamRegistry:
         return idle
 
     def _ensure_reaper(self) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no event loop (bookkeeping only): nothing to expire from
+            return
         if self._reaper is None or self._reaper.done():
-            self._reaper = asyncio.create_task(self._reap(), name="cords-vllm stream expiry")
+            self._reaper = loop.create_task(self._reap(), name="cords-vllm stream expiry")
 
     async def _reap(self) -> None:
         period = min(5.0, max(0.05, self.limits.idle_timeout_s / 4))

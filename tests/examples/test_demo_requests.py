@@ -1,10 +1,10 @@
-"""The README's main job, ``python -m cords_vllm.demo`` (``make demo``), on small workloads over real HTTP."""
+"""The one-shot requests demo, ``python -m cords_vllm.demo_requests``, on small workloads over real HTTP."""
 
 from __future__ import annotations
 
 import pytest
 
-from cords_vllm import demo
+from cords_vllm import demo_requests as demo
 
 pytestmark = pytest.mark.server
 

@@ -24,7 +24,8 @@ pytestmark = pytest.mark.server
 KEY = "test-key"
 BUDGET, RECENT, SLACK, BLOCK = 128, 32, 32, 32
 IDLE_S, MAX_OPEN = 4, 3
-ARGS = ["--kv-policy", "cords", "--kv-policy-config", json.dumps({"budget": BUDGET, "recent": RECENT, "slack": SLACK}),
+ARGS = ["--kv-policy", "cords", "--kv-policy-config",
+        json.dumps({"budget": BUDGET, "recent": RECENT, "slack": SLACK, "max_text_tokens": 256}),
         "--dtype", "float32", "--enforce-eager", "--block-size", str(BLOCK), "--max-model-len", "65536",
         "--kv-cache-memory-bytes", str(48 << 20), "--limit-mm-per-prompt", '{"image": 0, "video": 1}',
         "--api-key", KEY, "--kv-stream-idle-timeout", str(IDLE_S), "--kv-stream-max-open", str(MAX_OPEN),
@@ -101,6 +102,10 @@ def test_happy_path_push_ask_list_close(server, client):
         assert kv["blocks"] <= footprint < -(-kv["stream_tokens"] // BLOCK)
         assert kv["tokens"] < kv["stream_tokens"]
         assert info["kv_policy"] == {"policy": "cords", "budget": BUDGET, "recent": RECENT, "slack": SLACK}
+        assert kv["blocks"] <= info["footprint_blocks"] == -(-(256 + BUDGET + SLACK + 2 * BLOCK) // BLOCK)
+        capacity = client.request("GET", "/v1/streams")["capacity"]
+        assert capacity["stream_footprint_blocks"] == info["footprint_blocks"]
+        assert capacity["max_streams"] == min(MAX_OPEN, capacity["pool_blocks"] // info["footprint_blocks"])
     # closed by the context manager: the stream is gone and every block is back in the pool
     with pytest.raises(StreamAPIError) as err:
         client.stream(stream.id)
@@ -241,3 +246,16 @@ def test_a_closed_stream_says_so(client):
     with pytest.raises(StreamAPIError) as err:
         stream.append(clip(4, seed=2))
     assert err.value.status == 404 and "closed" in err.value.message
+
+
+def test_the_live_stream_example_runs(server):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "live_stream.py"
+    out = subprocess.run([sys.executable, str(example), "--url", server.base_url, "--api-key", KEY, "--seconds", "4",
+                          "--fps", "8", "--ask-every", "2", "--max-tokens", "2", "--budget", "64"],
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("Q: ") == 2 and "closed" in out.stdout and "KV held" in out.stdout

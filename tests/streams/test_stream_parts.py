@@ -86,9 +86,10 @@ def test_overrides_may_only_narrow_the_servers_policy():
 def test_the_stream_routes_exist_exactly_when_switched_on(argv, on):
     """Through vLLM's own ``build_app`` path: the patched plugin attachment adds the routes (and the OpenAPI
     entries) when ``--kv-policy`` or ``--kv-streams`` says so."""
-    import cords_vllm.plugin
     from fastapi import FastAPI
     from vllm.engine.arg_utils import EngineArgs
+
+    import cords_vllm.plugin
 
     cords_vllm.plugin.register()
     from vllm.entrypoints.launchers import app as app_module
@@ -101,3 +102,52 @@ def test_the_stream_routes_exist_exactly_when_switched_on(argv, on):
     paths = {getattr(r, "path", None) for r in app.routes}
     assert ("/v1/streams/{stream_id}/ask" in paths) == on
     assert ("/v1/streams" in app.openapi()["paths"]) == on
+
+
+def _registry(policy: str, config: dict | None, pool_blocks: int, max_streams: int = 64):
+    from cords_vllm.streams.registry import StreamLimits, StreamRegistry
+
+    return StreamRegistry(engine=None, limits=StreamLimits(max_streams=max_streams),
+                          policy=KVPolicyConfig.parse(policy, config), block_size=32, pool_blocks=pool_blocks,
+                          max_model_len=4096)
+
+
+def test_streams_are_admitted_while_their_footprints_fit_the_pool():
+    """Opening a stream touches no engine; admission is pure bookkeeping over footprints."""
+    from cords_vllm.compress.plan import BudgetSettings, stream_footprint_blocks
+    from cords_vllm.streams.registry import TooManyStreams
+
+    config = {"budget": 256, "recent": 64, "slack": 64, "max_text_tokens": 128}
+    reg = _registry("cords", config, pool_blocks=60)
+    footprint = stream_footprint_blocks(128, BudgetSettings(256, 64, 64), 32)
+    assert reg.footprint_blocks() == footprint == 16
+    assert reg.capacity()["max_streams"] == 60 // footprint == 3
+    opened = [reg.open() for _ in range(3)]
+    with pytest.raises(TooManyStreams, match="KV pool"):
+        reg.open()
+    small = reg.footprint_blocks({"budget": 64, "recent": 16})
+    assert small < footprint and 3 * footprint + small <= 60
+    reg.open(overrides={"budget": 64, "recent": 16})  # a narrower stream still fits
+    opened[0].ended = "closed"  # an ended stream commits nothing
+    assert reg.committed_blocks() == 2 * footprint + small
+
+
+def test_under_none_a_stream_is_admitted_as_a_max_model_len_request():
+    from cords_vllm.streams.registry import TooManyStreams
+
+    reg = _registry("none", None, pool_blocks=300)
+    assert reg.footprint_blocks() == 4096 // 32
+    reg.open()
+    reg.open()
+    with pytest.raises(TooManyStreams):
+        reg.open()
+
+
+def test_the_cap_on_open_streams_applies_first():
+    from cords_vllm.streams.registry import TooManyStreams
+
+    reg = _registry("cords", {"budget": 64, "max_text_tokens": 64}, pool_blocks=1000, max_streams=2)
+    reg.open()
+    reg.open()
+    with pytest.raises(TooManyStreams, match="--kv-stream-max-open"):
+        reg.open()
