@@ -73,13 +73,14 @@ def stream_tokens(args: argparse.Namespace) -> int:
 def serve_args(model_dir: Path, policy: str, args: argparse.Namespace) -> list[str]:
     """``vllm serve`` flags: fp32, eager, 32-token blocks, a pool of ``--pool-streams`` uncompressed streams.
 
-    Under ``none`` vLLM requires ``--max-model-len`` to fit the pool; under a policy the start-up rule asks
-    the pool only for one stream's bounded footprint, so the stream may be as long as wanted.
+    Under ``none`` ``--max-model-len`` is one stream's length (vLLM requires it to fit the pool, and the stream
+    API admits a stream under ``none`` as one max-model-len request); under a policy the start-up rule asks
+    the pool only for one stream's bounded footprint, so a stream may be as long as wanted.
     """
-    length = stream_tokens(args)
-    pool_blocks = int(args.pool_streams * -(-length // BLOCK))
+    stream_blocks = -(-stream_tokens(args) // BLOCK)
+    pool_blocks = int(args.pool_streams * stream_blocks)
     kv_bytes = (pool_blocks + 1) * kv_bytes_per_block(model_dir, BLOCK, 4)
-    max_model_len = min(pool_blocks * BLOCK, 4 * length) if policy == "none" else 131072
+    max_model_len = stream_blocks * BLOCK if policy == "none" else 131072
     flags = ["--kv-policy", policy, "--dtype", "float32", "--enforce-eager", "--block-size", str(BLOCK),
              "--kv-cache-memory-bytes", str(kv_bytes), "--max-model-len", str(max_model_len),
              "--max-num-batched-tokens", "2048", "--limit-mm-per-prompt", '{"image": 0, "video": 1}',
@@ -125,8 +126,8 @@ def run_demo(args: argparse.Namespace) -> list[LiveRun]:
                                   on_push=lambda _run: bar.update(1))
             runs.append(run)
             ended = [c for c in run.cameras if c.ended]
-            print(f"    {run.sustained}/{len(cameras)} streams kept pace; {len(ended)} ended early"
-                  + (f" ({ended[0].camera}: {ended[0].ended})" if ended else ""), flush=True)
+            print(f"    {run.sustained}/{len(cameras)} streams kept pace; {len(ended)} refused or ended early"
+                  + (f"; {ended[0].camera}: {ended[0].ended}" if ended else ""), flush=True)
         print(f"    server stopped (pid {server.proc.pid}, exit {server.proc.returncode})", flush=True)
     print_answers(cameras, runs)
     print_kv_over_time(runs, seconds)
@@ -183,7 +184,7 @@ def print_kv_over_time(runs: list[LiveRun], seconds: float) -> None:
 
 def print_summary(runs: list[LiveRun]) -> None:
     print("\n==> summary:")
-    rows: list[tuple] = [("policy", "streams kept pace", "ended early", "answers right", "peak blocks/stream",
+    rows: list[tuple] = [("policy", "streams kept pace", "refused/ended", "answers right", "peak blocks/stream",
                           "pool blocks", "preemptions", "worst lag s")]
     for run in runs:
         rows.append((run.label, f"{run.sustained}/{len(run.cameras)}", sum(1 for c in run.cameras if c.ended),

@@ -104,7 +104,9 @@ def run_camera(client: StreamClient, camera: Camera, t0: float, *, close: bool =
     try:
         stream = client.open(metadata={"camera": camera.name})
     except StreamAPIError as exc:
-        run.ended, run.kept_pace = f"could not open: {exc}", False
+        run.ended, run.kept_pace = f"refused ({exc.status}): {exc.message}", False
+        run.answers = [Answer(camera.name, q.text, q.answer, None, None, q.after_push * interval,
+                              error=f"refused ({exc.status})") for q in camera.questions]
         return run
     run.stream_id = stream.id
     questions = {q.after_push: q for q in camera.questions}

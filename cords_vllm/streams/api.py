@@ -28,6 +28,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.requests import ClientDisconnect
 
 from cords_vllm.streams.frames import (
     IMAGE_TYPES,
@@ -268,6 +269,13 @@ async def append_frames(request: Request, stream_id: str) -> Any:
 
 async def _read_frames(request: Request, registry: StreamRegistry) -> Any:
     """The request's frames as ``[T, H, W, 3]`` uint8, decoded in a worker thread."""
+    try:
+        return await _decode_body(request, registry)
+    except ClientDisconnect:  # the client vanished mid-upload: nothing was appended, nobody to answer
+        raise APIError(400, "the client disconnected before its frames arrived", "body") from None
+
+
+async def _decode_body(request: Request, registry: StreamRegistry) -> Any:
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     limits = registry.limits
     if content_type == "multipart/form-data":
