@@ -1,7 +1,7 @@
 """Live streams at scale through the stream API: how many a server sustains in real time, per policy.
 
-    python benchmarks/streams.py                                  # policies none and cords, 2..12 streams
-    python benchmarks/streams.py --streams 2 8 10 --frames 256 --fps 8
+    python benchmarks/streams.py                                  # none and cords, 2..13 streams of 256 frames at 4 fps
+    python benchmarks/streams.py --streams 2 8 --frames 128 --fps 8 --policies cords
     python benchmarks/streams.py --soak 10 --soak-workers 8       # bounded soak (loopback, stops by itself)
 
 For each policy one ``vllm serve`` of the shipped video-QA model runs on 127.0.0.1 with a KV pool that holds
@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import random
+import re
 import sys
 import time
 from pathlib import Path
@@ -35,9 +36,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--policies", nargs="+", default=["none", "cords"])
-    p.add_argument("--streams", nargs="+", type=int, default=[2, 4, 8, 10, 12])
-    p.add_argument("--frames", type=int, default=128, help="frames each stream sends (the run's length)")
-    p.add_argument("--fps", type=float, default=8.0)
+    p.add_argument("--streams", nargs="+", type=int, default=[2, 4, 8, 12, 13])
+    p.add_argument("--frames", type=int, default=256, help="frames each stream sends (the run's length)")
+    p.add_argument("--fps", type=float, default=4.0)
     p.add_argument("--push-frames", type=int, default=8)
     p.add_argument("--size", type=int, default=112, help="frame side in pixels (a multiple of 28)")
     p.add_argument("--questions", type=int, default=2, help="questions per stream, at random pushes")
@@ -85,6 +86,7 @@ def scale(args: argparse.Namespace) -> int:
 
     from cords_vllm.bench.http import num_gpu_blocks
     from cords_vllm.bench.live import plot_kv_per_stream, run_cameras
+    from cords_vllm.client import StreamClient
     from cords_vllm.demo import serve_args
     from cords_vllm.serving.process import VLLMServer
     from cords_vllm.vqa import shipped_checkpoint
@@ -98,6 +100,7 @@ def scale(args: argparse.Namespace) -> int:
         print(f"==> {policy}: starting vllm serve ...", flush=True)
         with server:
             total = num_gpu_blocks(server.base_url) - 1
+            capacity = StreamClient(server.base_url).request("GET", "/v1/streams")["capacity"]
             rows = []
             best = None
             for n in args.streams:
@@ -115,8 +118,9 @@ def scale(args: argparse.Namespace) -> int:
                 time.sleep(1.0)
             sustained = max((r["streams"] for r in rows if r["kept_pace"] == r["streams"]), default=0)
             peak = max((r["peak_blocks_per_stream"] for r in rows), default=0)
-            results[policy] = {"pool_blocks": total, "sustained": sustained, "runs": rows,
-                               "pool_over_footprint": round(total / peak, 2) if peak else None}
+            results[policy] = {"pool_blocks": total, "sustained": sustained, "runs": rows, "capacity": capacity,
+                               "pool_over_footprint": round(total / capacity["stream_footprint_blocks"], 2),
+                               "pool_over_peak": round(total / peak, 2) if peak else None}
             best_runs.append(best or run)
     report(results, args)
     plot_kv_per_stream(best_runs, args.out / "streams_kv_per_stream.png",
@@ -165,11 +169,12 @@ def report(results: dict[str, dict], args: argparse.Namespace) -> None:
     base = results.get("none", {}).get("sustained")
     for policy, res in results.items():
         ratio = f", {res['sustained'] / base:.1f}x none" if base else ""
-        sustained_share = ""
-        if res["pool_over_footprint"]:
-            sustained_share = f"; pool/footprint {res['pool_over_footprint']:.1f} streams " \
-                              f"({100 * res['sustained'] / res['pool_over_footprint']:.0f}% sustained)"
-        print(f"    {policy:>8}: {res['sustained']} streams{ratio}{sustained_share}")
+        fit = res["pool_over_footprint"]
+        share = (f"; pool / admission footprint ({res['capacity']['stream_footprint_blocks']} blocks) = "
+                 f"{fit:.1f} streams: {100 * res['sustained'] / fit:.0f}% sustained")
+        if res["pool_over_peak"]:
+            share += f"; pool / measured peak per stream = {res['pool_over_peak']:.1f} streams"
+        print(f"    {policy:>8}: {res['sustained']} streams{ratio}{share}")
         for row in res["runs"]:
             points = [tuple(p) for p in row["ttft_by_age"]]
             ages = "; ".join(f"{r} p50 {p50:.3f} p90 {p90:.3f}" for r, p50, p90 in age_buckets(points))
@@ -229,7 +234,7 @@ def soak(args: argparse.Namespace) -> int:
                           frames=lambda rng: clips[rng.randrange(len(clips))], server_pid=server.proc.pid,
                           total_blocks=total, idle_timeout_s=idle, seed=args.seed, on_event=progress)
         log = Path(server._log.name).read_text(errors="replace")
-    log_errors = [line for line in log.splitlines() if " ERROR " in line or line.startswith("Traceback")]
+    log_errors = [line for line in log.splitlines() if re.search(r"\bERROR\b", line) or line.startswith("Traceback")]
     out = result.to_json()
     out["server_log_errors"] = log_errors[:20]
     (args.out / "soak.json").write_text(json.dumps(out, indent=1))

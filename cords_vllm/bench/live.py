@@ -270,7 +270,7 @@ def plot_kv_per_stream(runs: Sequence[LiveRun], path: Path, title: str = "KV hel
 
     fig, axes = plt.subplots(1, len(runs), figsize=(5.5 * len(runs), 3.8), sharey=True, squeeze=False)
     for ax, run in zip(axes[0], runs, strict=True):
-        names = sorted({n for s in run.samples for n in s.blocks})
+        names = sorted({n for s in run.samples for n in s.blocks}, key=lambda n: (len(n), n))
         for name in names:
             pts = [(s.t, s.blocks[name]) for s in run.samples if name in s.blocks]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], lw=1.2, label=name)

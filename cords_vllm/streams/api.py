@@ -65,7 +65,9 @@ class OpenStreamRequest(BaseModel):
 
 class AppendFramesRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    frames: list[str] | None = Field(None, description="frames as data URLs (image/jpeg or image/png)")
+    frames: list[str | dict[str, Any]] | None = Field(
+        None, description="frames as data URLs (image/jpeg or image/png), or OpenAI image parts "
+                          "{'type': 'image_url', 'image_url': {'url': <data URL>}}")
     video: str | None = Field(None, description="a short clip as a data URL (video/mp4, video/jpeg, ...)")
 
 
@@ -258,7 +260,6 @@ async def append_frames(request: Request, stream_id: str) -> Any:
     frames = await _read_frames(request, registry)
     if stream.ended:
         raise APIError(410, f"stream {stream_id!r} has ended: {stream.ended}", "stream_id")
-    stream.stats.frames += len(frames)
     try:
         sent = await stream.append(frames)
     except StreamEnded as exc:
@@ -323,7 +324,7 @@ def _decode(items: list[Any], clip: Any, limits: Any) -> Any:
             if isinstance(item, tuple):  # an uploaded file: (bytes, field)
                 images.append(decode_image(item[0], item[1]))
             else:
-                _, data = parse_data_url(item, f"frames[{i}]", IMAGE_TYPES)
+                _, data = parse_data_url(_image_url(item), f"frames[{i}]", IMAGE_TYPES)
                 images.append(decode_image(data, f"frames[{i}]"))
         frames = stack_frames(images, "frames")
         field = "frames"
@@ -339,6 +340,14 @@ def _decode(items: list[Any], clip: Any, limits: Any) -> Any:
         raise FrameError(field, f"{len(frames)} frames in one push; at most {limits.max_frames_per_push}")
     check_frame_size(frames, field, min_side=limits.min_frame_side, max_pixels=limits.max_frame_pixels)
     return frames
+
+
+def _image_url(item: str | dict[str, Any]) -> Any:
+    """The URL of a frame given as a string or as an OpenAI ``image_url`` content part."""
+    if isinstance(item, dict):
+        part = item.get("image_url", item)
+        return part.get("url") if isinstance(part, dict) else part
+    return item
 
 
 def _first_loc(exc: Exception) -> str:

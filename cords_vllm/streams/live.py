@@ -187,6 +187,7 @@ class LiveStream:
         An odd trailing frame waits for the next push (a clip holds whole temporal patches); returns the
         frames this push sent to the engine.
         """
+        self.stats.frames += len(frames)
         if self.pending_frames is not None:
             if self.pending_frames.shape[1:] == frames.shape[1:]:
                 frames = np.concatenate([self.pending_frames, frames])

@@ -151,3 +151,15 @@ def test_the_cap_on_open_streams_applies_first():
     reg.open()
     with pytest.raises(TooManyStreams, match="--kv-stream-max-open"):
         reg.open()
+
+
+def test_frames_may_be_openai_image_parts():
+    from cords_vllm.streams.api import _decode
+    from cords_vllm.streams.registry import StreamLimits
+
+    url = frame_data_url(np.full((56, 56, 3), 200, np.uint8), "png")
+    frames = _decode([{"type": "image_url", "image_url": {"url": url}}, url], None, StreamLimits())
+    assert frames.shape == (2, 56, 56, 3) and int(frames[1, 0, 0, 0]) == 200
+    with pytest.raises(FrameError) as err:
+        _decode([url, {"type": "image_url", "image_url": {}}], None, StreamLimits())
+    assert err.value.field == "frames[1]"
