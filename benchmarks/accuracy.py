@@ -2,11 +2,16 @@
 
     python benchmarks/accuracy.py --per-family 32                  # training-length videos (64 frames)
     python benchmarks/accuracy.py --per-family 32 --frames 128     # longer than any training video
+    python benchmarks/accuracy.py --mode stream --per-family 16    # live streams, questions mid-stream
 
 Reports accuracy per policy and budget (1/2, 1/4, 1/8, 1/16 of the video's tokens, plus full KV), per
 question family and needle position, the effective budget each cell really held, the two sanity controls
 (needles blanked -> chance; needle oracle -> full KV), and the coverage CDF of cords vs infinipot_v vs
 uniform on the model's real keys/values. Writes results.json and PNG plots to --out.
+
+``--mode stream`` pushes each video into an engine session in clips of ``--push-frames`` frames and asks its
+question ``--delay-pushes`` pushes after the needle (:mod:`cords_vllm.bench.stream_accuracy`); it reports the
+same table (the video tokens held when answering in parentheses) and writes stream_results.json and the plots.
 """
 
 from __future__ import annotations
@@ -16,6 +21,11 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from cords_vllm.bench.accuracy import AccuracyRun
+    from cords_vllm.bench.workload import PolicySpec
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -39,8 +49,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk", type=int, default=64, help="prefill tokens per request per step")
     p.add_argument("--batch", type=int, default=16, help="requests prefilled together")
     p.add_argument("--no-controls", action="store_true")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/out/accuracy"))
+    p.add_argument("--mode", choices=["oneshot", "stream"], default="oneshot",
+                   help="oneshot: one request per question; stream: video pushed into a session, question mid-stream")
+    p.add_argument("--push-frames", type=int, default=8, help="stream mode: frames per push (even)")
+    p.add_argument("--delay-pushes", type=int, default=2,
+                   help="stream mode: pushes between the one holding the needle's last frame and the question")
+    p.add_argument("--out", type=Path, default=None,
+                   help="default: benchmarks/out/accuracy (oneshot), benchmarks/out/accuracy_stream (stream)")
     args = p.parse_args(argv)
+    if args.mode == "stream":
+        return stream_mode(args)
+    args.out = args.out or Path("benchmarks/out/accuracy")
 
     from tqdm import tqdm
 
@@ -66,24 +85,14 @@ def main(argv: list[str] | None = None) -> int:
     specs = [PolicySpec.parse(text, defaults) for text in args.policies]
     print(f"{len(examples)} held-out examples ({', '.join(args.families)}), {args.frames} frames = "
           f"{geometry.num_video_tokens} video tokens each; checkpoint {checkpoint.name}", flush=True)
-    cells = 1 + len(args.fractions) * len(args.policies)
+    cells = 1 + len(args.fractions) * len([s for s in specs if s.policy != "none"])
     with tqdm(total=cells, desc="policy x budget", unit="cell") as bar:
         def report(run):
             bar.update(1)
             bar.set_postfix_str(f"{run.label} {run.fraction} -> {run.report['overall']:.3f}")
         runs = evaluate(checkpoint, examples, specs, args.fractions, shape, on_cell=report)
 
-    full = runs[0]
-    print(f"\nfull KV: {format_report(full.report)}")
-    header = "| policy | " + " | ".join(f"1/{round(1 / f)} (held)" for f in args.fractions) + " |"
-    print("\n" + header + "\n|" + "---|" * (len(args.fractions) + 1))
-    for policy in (s.label for s in specs if s.policy != "none"):
-        cells_row = []
-        for f in args.fractions:
-            run = next(r for r in runs if r.label == policy and r.fraction == f)
-            cells_row.append(f"{100 * run.report['overall']:.1f}% ({run.effective_video_tokens:.0f})")
-        print(f"| {policy} | " + " | ".join(cells_row) + " |")
-    print(f"| full KV | {100 * full.report['overall']:.1f}% ({full.effective_video_tokens:.0f}) |")
+    print_table(runs, specs, args.fractions)
     for policy in ("cords", "recency", "uniform"):
         for run in runs:
             if run.label == policy and run.fraction == min(args.fractions, key=lambda x: abs(x - 1 / 8)):
@@ -118,6 +127,66 @@ def main(argv: list[str] | None = None) -> int:
     paths.append(plot_coverage_cdfs(curves, args.out / "coverage_cdf.png", reference=("cords", "infinipot_v"),
                                     title=title))
     for path in [args.out / "results.json", *paths]:
+        print(f"wrote {path}")
+    return 0
+
+
+def print_table(runs: list[AccuracyRun], specs: list[PolicySpec], fractions: list[float]) -> None:
+    """Full KV's report, then the markdown table: accuracy (video tokens held when answering) per policy x budget."""
+    from cords_vllm.vqa import format_report
+
+    full = runs[0]
+    print(f"\nfull KV: {format_report(full.report)}")
+    header = "| policy | " + " | ".join(f"1/{round(1 / f)} (held)" for f in fractions) + " |"
+    print("\n" + header + "\n|" + "---|" * (len(fractions) + 1))
+    for policy in (s.label for s in specs if s.policy != "none"):
+        cells_row = []
+        for f in fractions:
+            run = next(r for r in runs if r.label == policy and r.fraction == f)
+            cells_row.append(f"{100 * run.report['overall']:.1f}% ({run.effective_video_tokens:.0f})")
+        print(f"| {policy} | " + " | ".join(cells_row) + " |")
+    print(f"| full KV | {100 * full.report['overall']:.1f}% ({full.effective_video_tokens:.0f}) |")
+
+
+def stream_mode(args: argparse.Namespace) -> int:
+    """``--mode stream``: every policy x budget on live streams (questions mid-stream), table and plots."""
+    from tqdm import tqdm
+
+    from cords_vllm.bench.accuracy import EngineShape, plot_accuracy
+    from cords_vllm.bench.stream_accuracy import evaluate_streams, plan_stream
+    from cords_vllm.bench.workload import PolicySpec
+    from cords_vllm.vqa import VideoGeometry, format_report, make_split, shipped_checkpoint
+
+    checkpoint = Path(args.checkpoint) if args.checkpoint else shipped_checkpoint()
+    out = args.out or Path("benchmarks/out/accuracy_stream")
+    examples = make_split(args.families, args.per_family, "heldout", geometry=VideoGeometry(num_frames=args.frames))
+    plans = [plan_stream(e, args.push_frames, args.delay_pushes) for e in examples]
+    shape = EngineShape(chunk=args.chunk, batch=args.batch)
+    defaults = {"granularity": args.granularity} if args.granularity else {}
+    specs = [PolicySpec.parse(text, defaults) for text in args.policies]
+    pushes = [len(p.clips) for p in plans]
+    print(f"{len(plans)} held-out streams ({', '.join(args.families)}) of {args.frames}-frame videos in pushes of "
+          f"{args.push_frames} frames; question {args.delay_pushes} pushes after the needle's push, after "
+          f"{min(pushes)}-{max(pushes)} pushes (mean {sum(pushes) / len(pushes):.1f}); checkpoint {checkpoint.name}",
+          flush=True)
+    cells = 1 + len(args.fractions) * len([s for s in specs if s.policy != "none"])
+    with tqdm(total=cells, desc="policy x budget", unit="cell") as bar:
+        def report(run):
+            bar.update(1)
+            bar.set_postfix_str(f"{run.label} {run.fraction} -> {run.report['overall']:.3f}")
+        runs = evaluate_streams(checkpoint, plans, specs, args.fractions, shape, on_cell=report)
+    print_table(runs, specs, args.fractions)
+    print(f"\n(full KV holds every pushed video token: {runs[0].effective_video_tokens:.0f} on average at the "
+          f"question, markers included; budgets are fractions of the {examples[0].geometry.num_video_tokens}-token "
+          "video)")
+    for run in runs[1:]:
+        print(f"\n{run.label} at 1/{round(1 / run.fraction)}: {format_report(run.report)}")
+    payload = {"argv": sys.argv[1:], "mode": "stream", "examples": len(plans), "frames": args.frames,
+               "push_frames": args.push_frames, "delay_pushes": args.delay_pushes,
+               "pushes": pushes, "needle_push": [p.needle_push for p in plans], "runs": [r.to_json() for r in runs]}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "stream_results.json").write_text(json.dumps(payload, indent=2, default=float) + "\n")
+    for path in [out / "stream_results.json", *plot_accuracy(runs, out)]:
         print(f"wrote {path}")
     return 0
 

@@ -226,17 +226,24 @@ def plot_accuracy(runs: Sequence[AccuracyRun], out: Path) -> list[Path]:
     return paths
 
 
+def budget_cells(policies: Sequence[PolicySpec | str], fractions: Sequence[float], video_tokens: int,
+                 block_size: int) -> list[tuple[PolicySpec, float | None, int | None]]:
+    """``(policy, fraction, budget)`` of every cell: full KV once, then each policy at each fraction of the
+    video's tokens (at least one block)."""
+    specs = [PolicySpec.parse(p, {}) if isinstance(p, str) else p for p in policies]
+    cells: list[tuple[PolicySpec, float | None, int | None]] = [(PolicySpec.parse("none", {}), None, None)]
+    cells += [(p, f, max(block_size, round(f * video_tokens))) for f in fractions for p in specs
+              if p.policy != "none"]
+    return cells
+
+
 def evaluate(checkpoint: str | Path, examples: Sequence[VQAExample], policies: Sequence[PolicySpec | str],
              fractions: Sequence[float], shape: EngineShape,
              on_cell: Callable[[AccuracyRun], None] | None = None) -> list[AccuracyRun]:
     """Full KV once, then every (policy, fraction) cell."""
-    video_tokens = examples[0].geometry.num_video_tokens
-    specs = [PolicySpec.parse(p, {}) if isinstance(p, str) else p for p in policies]
-    cells: list[tuple[PolicySpec, float | None]] = [(PolicySpec.parse("none", {}), None)]
-    cells += [(p, f) for f in fractions for p in specs if p.policy != "none"]
     runs = []
-    for spec, fraction in cells:
-        budget = None if fraction is None else max(shape.block_size, round(fraction * video_tokens))
+    for spec, fraction, budget in budget_cells(policies, fractions, examples[0].geometry.num_video_tokens,
+                                               shape.block_size):
         t0 = time.perf_counter()
         predictions, held = run_policy(checkpoint, examples, spec, budget, shape)
         run = AccuracyRun(spec.label, spec.policy, spec.config, fraction, budget,
