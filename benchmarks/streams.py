@@ -247,6 +247,11 @@ def soak(args: argparse.Namespace) -> int:
     if rss:
         print(f"    server RSS: {rss[0]:.0f} MB at start, {max(rss):.0f} MB peak, {rss[-1]:.0f} MB at the end; "
               f"drift after warm-up {result.rss_drift_mb():+.0f} MB")
+        quarter = len(result.rss_by_process) // 4
+        if quarter:
+            early, late = result.rss_by_process[quarter][1], result.rss_by_process[-1][1]
+            for name in late:
+                print(f"      {name}: {early.get(name, 0.0):.0f} MB after warm-up -> {late[name]:.0f} MB at the end")
     ok = result.server_errors == 0 and not log_errors and result.blocks_in_use_at_end == 0
     print("    PASS" if ok else "    FAIL")
     return 0 if ok else 1

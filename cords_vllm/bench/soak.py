@@ -40,6 +40,8 @@ class SoakResult:
     server_errors: int = 0
     blocks_in_use_at_end: int | None = None
     rss_mb: list[tuple[float, float]] = field(default_factory=list)
+    #: ``(seconds, {process name: MB})``: the same readings per process of the server.
+    rss_by_process: list[tuple[float, dict[str, float]]] = field(default_factory=list)
 
     def rss_drift_mb(self) -> float:
         """Mean RSS of the last quarter minus that of the second quarter (after warm-up)."""
@@ -56,23 +58,25 @@ class SoakResult:
         return out
 
 
-def process_tree_rss_mb(root_pid: int) -> float:
-    """Resident memory of ``root_pid`` and its descendants (MB), from ``/proc``."""
+def process_tree_rss_mb(root_pid: int) -> dict[str, float]:
+    """Resident memory (MB) of ``root_pid`` and each of its descendants, by process name, from ``/proc``."""
     children: dict[int, list[int]] = {}
-    rss: dict[int, float] = {}
-    for status in _proc_statuses():
-        pid, ppid, kb = status
+    rss: dict[int, tuple[str, float]] = {}
+    for pid, ppid, name, kb in _proc_statuses():
         children.setdefault(ppid, []).append(pid)
-        rss[pid] = kb / 1024
-    total, todo = 0.0, [root_pid]
+        rss[pid] = (name, kb / 1024)
+    out: dict[str, float] = {}
+    todo = [root_pid]
     while todo:
         pid = todo.pop()
-        total += rss.get(pid, 0.0)
+        if pid in rss:
+            name, mb = rss[pid]
+            out[f"{name} ({pid})"] = mb
         todo += children.get(pid, [])
-    return total
+    return out
 
 
-def _proc_statuses() -> list[tuple[int, int, float]]:
+def _proc_statuses() -> list[tuple[int, int, str, float]]:
     from pathlib import Path
 
     out = []
@@ -84,7 +88,7 @@ def _proc_statuses() -> list[tuple[int, int, float]]:
         except OSError:
             continue
         kb = float(fields.get("VmRSS", "0 kB").split()[0]) if "VmRSS" in fields else 0.0
-        out.append((int(entry.name), int(fields.get("PPid", "0").strip()), kb))
+        out.append((int(entry.name), int(fields.get("PPid", "0").strip()), fields.get("Name", "?").strip(), kb))
     return out
 
 
@@ -163,7 +167,9 @@ def run_soak(base_url: str, *, minutes: float, workers: int, frames: Callable[[r
 
     def sample_rss(stop: threading.Event) -> None:
         while not stop.is_set():
-            result.rss_mb.append((time.monotonic() - t0, process_tree_rss_mb(server_pid)))
+            now, by_process = time.monotonic() - t0, process_tree_rss_mb(server_pid)
+            result.rss_mb.append((now, sum(by_process.values())))
+            result.rss_by_process.append((now, by_process))
             stop.wait(2.0)
 
     stop = threading.Event()
