@@ -241,5 +241,7 @@ def _engine_end_reason(finish_reason: str | None) -> str:
     if finish_reason == "length":
         return "the engine ended the stream: it reached --max-model-len tokens"
     if finish_reason == "error":
-        return "the engine ended the stream with an error (see the server log)"
+        return ("the engine ended the stream with an error; under a KV policy the usual cause is text past "
+                "kv_policy_config 'max_text_tokens' (questions and kept answers are never evicted; the server "
+                "log says which)")
     return f"the engine ended the stream (finish reason {finish_reason})"
