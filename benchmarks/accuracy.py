@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -61,7 +62,6 @@ def main(argv: list[str] | None = None) -> int:
         return stream_mode(args)
     args.out = args.out or Path("benchmarks/out/accuracy")
 
-    from tqdm import tqdm
 
     from cords_vllm.bench.accuracy import (
         EngineShape,
@@ -72,7 +72,6 @@ def main(argv: list[str] | None = None) -> int:
         plot_accuracy,
         run_policy,
     )
-    from cords_vllm.bench.workload import PolicySpec
     from cords_vllm.metrics.coverage import max_cdf_gap
     from cords_vllm.metrics.plot import plot_coverage_cdfs
     from cords_vllm.vqa import accuracy_report, format_report
@@ -81,16 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     geometry = VideoGeometry(num_frames=args.frames)
     examples = make_split(args.families, args.per_family, "heldout", geometry=geometry)
     shape = EngineShape(chunk=args.chunk, batch=args.batch)
-    defaults = {"granularity": args.granularity} if args.granularity else {}
-    specs = [PolicySpec.parse(text, defaults) for text in args.policies]
+    specs = policy_specs(args)
     print(f"{len(examples)} held-out examples ({', '.join(args.families)}), {args.frames} frames = "
           f"{geometry.num_video_tokens} video tokens each; checkpoint {checkpoint.name}", flush=True)
-    cells = 1 + len(args.fractions) * len([s for s in specs if s.policy != "none"])
-    with tqdm(total=cells, desc="policy x budget", unit="cell") as bar:
-        def report(run):
-            bar.update(1)
-            bar.set_postfix_str(f"{run.label} {run.fraction} -> {run.report['overall']:.3f}")
-        runs = evaluate(checkpoint, examples, specs, args.fractions, shape, on_cell=report)
+    runs = with_progress(specs, args.fractions,
+                         lambda report: evaluate(checkpoint, examples, specs, args.fractions, shape, on_cell=report))
 
     print_table(runs, specs, args.fractions)
     for policy in ("cords", "recency", "uniform"):
@@ -148,13 +142,32 @@ def print_table(runs: list[AccuracyRun], specs: list[PolicySpec], fractions: lis
     print(f"| full KV | {100 * full.report['overall']:.1f}% ({full.effective_video_tokens:.0f}) |")
 
 
+def policy_specs(args: argparse.Namespace) -> list[PolicySpec]:
+    r"""``--policies`` as ``PolicySpec``\ s, with ``--granularity`` as every policy's default."""
+    from cords_vllm.bench.workload import PolicySpec
+
+    defaults = {"granularity": args.granularity} if args.granularity else {}
+    return [PolicySpec.parse(text, defaults) for text in args.policies]
+
+
+def with_progress(specs: list[PolicySpec], fractions: list[float],
+                  run_cells: Callable[[Callable[[AccuracyRun], None]], list[AccuracyRun]]) -> list[AccuracyRun]:
+    """``run_cells(on_cell)`` under a progress bar of its cells: full KV once, then each policy x budget."""
+    from tqdm import tqdm
+
+    cells = 1 + len(fractions) * len([s for s in specs if s.policy != "none"])
+    with tqdm(total=cells, desc="policy x budget", unit="cell") as bar:
+        def report(run):
+            bar.update(1)
+            bar.set_postfix_str(f"{run.label} {run.fraction} -> {run.report['overall']:.3f}")
+        return run_cells(report)
+
+
 def stream_mode(args: argparse.Namespace) -> int:
     """``--mode stream``: every policy x budget on live streams (questions mid-stream), table and plots."""
-    from tqdm import tqdm
 
     from cords_vllm.bench.accuracy import EngineShape, plot_accuracy
     from cords_vllm.bench.stream_accuracy import evaluate_streams, plan_stream
-    from cords_vllm.bench.workload import PolicySpec
     from cords_vllm.vqa import VideoGeometry, format_report, make_split, shipped_checkpoint
 
     checkpoint = Path(args.checkpoint) if args.checkpoint else shipped_checkpoint()
@@ -162,19 +175,15 @@ def stream_mode(args: argparse.Namespace) -> int:
     examples = make_split(args.families, args.per_family, "heldout", geometry=VideoGeometry(num_frames=args.frames))
     plans = [plan_stream(e, args.push_frames, args.delay_pushes) for e in examples]
     shape = EngineShape(chunk=args.chunk, batch=args.batch)
-    defaults = {"granularity": args.granularity} if args.granularity else {}
-    specs = [PolicySpec.parse(text, defaults) for text in args.policies]
+    specs = policy_specs(args)
     pushes = [len(p.clips) for p in plans]
     print(f"{len(plans)} held-out streams ({', '.join(args.families)}) of {args.frames}-frame videos in pushes of "
           f"{args.push_frames} frames; question {args.delay_pushes} pushes after the needle's push, after "
           f"{min(pushes)}-{max(pushes)} pushes (mean {sum(pushes) / len(pushes):.1f}); checkpoint {checkpoint.name}",
           flush=True)
-    cells = 1 + len(args.fractions) * len([s for s in specs if s.policy != "none"])
-    with tqdm(total=cells, desc="policy x budget", unit="cell") as bar:
-        def report(run):
-            bar.update(1)
-            bar.set_postfix_str(f"{run.label} {run.fraction} -> {run.report['overall']:.3f}")
-        runs = evaluate_streams(checkpoint, plans, specs, args.fractions, shape, on_cell=report)
+    runs = with_progress(specs, args.fractions,
+                         lambda report: evaluate_streams(checkpoint, plans, specs, args.fractions, shape,
+                                                         on_cell=report))
     print_table(runs, specs, args.fractions)
     print(f"\n(full KV holds every pushed video token: {runs[0].effective_video_tokens:.0f} on average at the "
           f"question, markers included; budgets are fractions of the {examples[0].geometry.num_video_tokens}-token "

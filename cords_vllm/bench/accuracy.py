@@ -71,6 +71,20 @@ def engine_args(checkpoint: str | Path, examples: Sequence[VQAExample], shape: E
     return kw
 
 
+def cell_llm(kwargs: dict[str, Any], spec: PolicySpec | str, budget: int | None) -> Any:
+    """The in-process ``LLM`` of one accuracy cell: ``kwargs`` (:func:`engine_args`) plus ``spec`` at ``budget``
+    with slack 0, so compression runs whenever the held video tokens exceed the budget."""
+    from cords_vllm.inprocess import make_llm
+
+    kwargs = dict(kwargs)
+    model = kwargs.pop("model")
+    if isinstance(spec, str):
+        spec = PolicySpec.parse(spec, {})
+    if spec.policy != "none":
+        kwargs.update(kv_policy_args(spec.policy, **{**spec.config, "budget": budget, "slack": 0}))
+    return make_llm(model, **kwargs)
+
+
 def run_policy(checkpoint: str | Path, examples: Sequence[VQAExample], spec: PolicySpec | str, budget: int | None,
                shape: EngineShape) -> tuple[list[str], float]:
     """Greedy one-token answers under ``spec`` and the mean video tokens held when answering.
@@ -80,16 +94,9 @@ def run_policy(checkpoint: str | Path, examples: Sequence[VQAExample], spec: Pol
     """
     from vllm import SamplingParams
 
-    from cords_vllm.inprocess import make_llm
     from cords_vllm.introspect import observe_steps, requests_of
 
-    kwargs = engine_args(checkpoint, examples, shape)
-    model = kwargs.pop("model")
-    if isinstance(spec, str):
-        spec = PolicySpec.parse(spec, {})
-    if spec.policy != "none":
-        kwargs.update(kv_policy_args(spec.policy, **{**spec.config, "budget": budget, "slack": 0}))
-    llm = make_llm(model, **kwargs)
+    llm = cell_llm(engine_args(checkpoint, examples, shape), spec, budget)
     held_at_answer: list[int] = []
 
     def observe(scheduler, out) -> None:

@@ -30,9 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from cords_vllm.bench.accuracy import AccuracyRun, EngineShape, blank_needles, budget_cells, engine_args
+from cords_vllm.bench.accuracy import AccuracyRun, EngineShape, blank_needles, budget_cells, cell_llm, engine_args
 from cords_vllm.bench.workload import PolicySpec
-from cords_vllm.config import kv_policy_args
 from cords_vllm.utils import cdiv
 from cords_vllm.vqa import PROMPT_TEMPLATE, VQAExample, accuracy_report
 from cords_vllm.vqa.prompt import VIDEO_PLACEHOLDER
@@ -204,15 +203,7 @@ def stream_engine_args(checkpoint: str | Path, plans: Sequence[StreamPlan], shap
 def run_stream_policy(checkpoint: str | Path, plans: Sequence[StreamPlan], spec: PolicySpec | str,
                       budget: int | None, shape: EngineShape) -> list[StreamResult]:
     """Every stream of ``plans`` under ``spec`` at ``budget`` (slack 0, as the one-shot cells), on a fresh engine."""
-    from cords_vllm.inprocess import make_llm
-
-    kwargs = stream_engine_args(checkpoint, plans, shape)
-    model = kwargs.pop("model")
-    if isinstance(spec, str):
-        spec = PolicySpec.parse(spec, {})
-    if spec.policy != "none":
-        kwargs.update(kv_policy_args(spec.policy, **{**spec.config, "budget": budget, "slack": 0}))
-    llm = make_llm(model, **kwargs)
+    llm = cell_llm(stream_engine_args(checkpoint, plans, shape), spec, budget)
     try:
         return run_streams(llm, plans, shape.batch)
     finally:

@@ -20,7 +20,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from cords_vllm.compress.plan import NULL_BLOCK_ID
 from cords_vllm.observability import PUBLISH_INTERVAL_S, metrics_dir
 
 SUBDIR = "held-kv"
@@ -45,28 +44,31 @@ class HeldKV:
     stream_tokens: int
 
 
-def _snapshot(scheduler: Any) -> dict[str, HeldKV]:
-    from cords_vllm.engine.patches import scheduler_hooks
+def _snapshot(scheduler: Any, compressor: Any) -> dict[str, HeldKV]:
+    from cords_vllm.engine.scheduler import non_null_blocks
 
-    comp = scheduler_hooks(scheduler).compressor
+    rows = scheduler.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks
     out: dict[str, HeldKV] = {}
     for req_id, request in scheduler.requests.items():
         if not getattr(request, "resumable", False):
             continue
-        groups = scheduler.kv_cache_manager.get_block_ids(req_id)
-        row = groups[0] if groups else []
-        state = comp.states.get(req_id) if comp is not None else None
-        evicted = state.evicted_tokens if state is not None else 0
+        state = compressor.states.get(req_id) if compressor is not None else None
         computed = request.num_computed_tokens
-        out[req_id] = HeldKV(blocks=sum(1 for b in row if b != NULL_BLOCK_ID), tokens=computed - evicted,
+        out[req_id] = HeldKV(blocks=non_null_blocks(rows.get(req_id, []), state),
+                             tokens=computed - (state.evicted_tokens if state is not None else 0),
                              stream_tokens=computed)
     return out
 
 
 class HeldKVPublisher:
-    """Step observer of one scheduler: publishes its sessions' :class:`HeldKV` off the hot path."""
+    """Step observer of one scheduler: publishes its sessions' :class:`HeldKV` off the hot path.
 
-    def __init__(self, interval: float = PUBLISH_INTERVAL_S) -> None:
+    ``compressor``: the scheduler's :class:`~cords_vllm.engine.scheduler.SchedulerCompressor` (``None`` without
+    a policy), whose states say what each request evicted.
+    """
+
+    def __init__(self, compressor: Any = None, interval: float = PUBLISH_INTERVAL_S) -> None:
+        self.compressor = compressor
         directory = metrics_dir()
         self.path = directory / SUBDIR / f"scheduler-{os.getpid()}.json" if directory else None
         self.interval = interval
@@ -76,7 +78,7 @@ class HeldKVPublisher:
         self._timer: threading.Timer | None = None
 
     def __call__(self, scheduler: Any, _output: Any) -> None:
-        current = _snapshot(scheduler)
+        current = _snapshot(scheduler, self.compressor)
         with self._lock:
             if current == self._current:
                 return

@@ -44,7 +44,8 @@ def scheduler_hooks(scheduler: Any) -> SchedulerHooks:
         from cords_vllm.engine.scheduler import SchedulerCompressor
 
         policy = policy_of(scheduler.vllm_config)
-        hooks = SchedulerHooks(SchedulerCompressor(policy, scheduler) if policy else None, [HeldKVPublisher()])
+        compressor = SchedulerCompressor(policy, scheduler) if policy else None
+        hooks = SchedulerHooks(compressor, [HeldKVPublisher(compressor)])
         attach(scheduler, hooks)
         attach(scheduler.kv_cache_manager, hooks.compressor)
     return hooks

@@ -133,7 +133,7 @@ class SchedulerCompressor:
         self.pending: list[CompressionPlan] = []
         self.footprints: dict[str, tuple[int, int]] = {}
         self.ending: set[str] = set()
-        self.request_settings: dict[str, tuple[Any, BudgetSettings]] = {}
+        self.request_settings: dict[str, tuple[Any, BudgetSettings | KVPolicyConfigError]] = {}
         self.sink = CounterSink("scheduler")
 
     def spans_of(self, request: Any) -> VideoSpans:
@@ -197,6 +197,12 @@ class SchedulerCompressor:
         A request with invalid overrides is ended with an error before it is scheduled
         (:meth:`_end_invalid_requests`); until then it is planned with the server's settings.
         """
+        settings = self._narrowed(request)
+        return self.settings if isinstance(settings, KVPolicyConfigError) else settings
+
+    def _narrowed(self, request: Any) -> BudgetSettings | KVPolicyConfigError:
+        """The request's settings with its overrides applied, or why they are invalid (cached per request while
+        its overrides stay the same)."""
         params = getattr(request, "sampling_params", None)
         overrides = (params.extra_args or {}).get(REQUEST_OVERRIDES_KEY) if params is not None else None
         if not overrides:
@@ -205,10 +211,11 @@ class SchedulerCompressor:
         if cached is None or cached[0] != overrides:
             try:
                 narrowed = self.config.narrowed(overrides)
-            except KVPolicyConfigError:
-                return self.settings
-            cached = (dict(overrides), BudgetSettings(narrowed.budget, narrowed.recent, narrowed.slack))
-            self.request_settings[request.request_id] = cached
+                result: BudgetSettings | KVPolicyConfigError = BudgetSettings(narrowed.budget, narrowed.recent,
+                                                                               narrowed.slack)
+            except KVPolicyConfigError as exc:
+                result = exc
+            cached = self.request_settings[request.request_id] = (overrides, result)
         return cached[1]
 
     def _end_invalid_requests(self, scheduler: Any) -> None:
@@ -228,13 +235,8 @@ class SchedulerCompressor:
             if text > limit:
                 reason = (f"holds {text} non-video tokens, more than kv_policy_config key 'max_text_tokens' "
                           f"({limit})")
-            params = getattr(request, "sampling_params", None)
-            overrides = (params.extra_args or {}).get(REQUEST_OVERRIDES_KEY) if params is not None else None
-            if reason is None and overrides:
-                try:
-                    self.config.narrowed(overrides)
-                except KVPolicyConfigError as exc:
-                    reason = str(exc)
+            if reason is None and isinstance(invalid := self._narrowed(request), KVPolicyConfigError):
+                reason = str(invalid)
             if reason is not None:
                 self.ending.add(request.request_id)
                 logger.warning("cords-vllm: request %s %s: it is ended with an error", request.request_id, reason)
