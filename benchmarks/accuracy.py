@@ -49,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fractions", nargs="+", type=float, default=[1 / 2, 1 / 4, 1 / 8, 1 / 16])
     p.add_argument("--chunk", type=int, default=64, help="prefill tokens per request per step")
     p.add_argument("--batch", type=int, default=16, help="requests prefilled together")
+    p.add_argument("--inputs", nargs="+", choices=["video", "images"], default=["video"],
+                   help="oneshot mode: how requests carry the video: one video input, and/or every frame as its own "
+                        "image (as lmms-eval and VLMEvalKit send it); with both, a table compares them cell by cell")
     p.add_argument("--no-controls", action="store_true")
     p.add_argument("--mode", choices=["oneshot", "stream"], default="oneshot",
                    help="oneshot: one request per question; stream: video pushed into a session, question mid-stream")
@@ -84,9 +87,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(examples)} held-out examples ({', '.join(args.families)}), {args.frames} frames = "
           f"{geometry.num_video_tokens} video tokens each; checkpoint {checkpoint.name}", flush=True)
     runs = with_progress(specs, args.fractions,
-                         lambda report: evaluate(checkpoint, examples, specs, args.fractions, shape, on_cell=report))
+                         lambda report: evaluate(checkpoint, examples, specs, args.fractions, shape, on_cell=report,
+                                                 inputs=args.inputs), repeats=len(args.inputs))
 
-    print_table(runs, specs, args.fractions)
+    for inputs in args.inputs:
+        print(f"\n## {inputs}: " + ("one video input" if inputs == "video" else "every frame as its own image"))
+        print_table([r for r in runs if r.inputs == inputs], specs, args.fractions)
+    if len(args.inputs) > 1:
+        print_comparison(runs, specs, args.fractions, args.inputs)
     for policy in ("cords", "recency", "uniform"):
         for run in runs:
             if run.label == policy and run.fraction == min(args.fractions, key=lambda x: abs(x - 1 / 8)):
@@ -116,7 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     payload["coverage_max_gap_vs_infinipot_v"] = gaps
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(payload, indent=2, default=float) + "\n")
-    paths = plot_accuracy(runs, args.out)
+    paths = []
+    for inputs in args.inputs:
+        paths += plot_accuracy([r for r in runs if r.inputs == inputs], args.out if inputs == "video" else
+                               args.out / inputs)
     title = f"Coverage on the trained model's keys/values (budget 1/{round(1 / fraction)})"
     paths.append(plot_coverage_cdfs(curves, args.out / "coverage_cdf.png", reference=("cords", "infinipot_v"),
                                     title=title))
@@ -142,6 +153,23 @@ def print_table(runs: list[AccuracyRun], specs: list[PolicySpec], fractions: lis
     print(f"| full KV | {100 * full.report['overall']:.1f}% ({full.effective_video_tokens:.0f}) |")
 
 
+def print_comparison(runs: list[AccuracyRun], specs: list[PolicySpec], fractions: list[float],
+                     inputs: list[str]) -> None:
+    """Markdown table: each cell's accuracy under every input shape (``video / images``), and whether they agree."""
+    print("\n## " + " vs ".join(inputs) + " (same questions, same share of their tokens kept)")
+    header = "| policy | " + " | ".join(f"1/{round(1 / f)}" for f in fractions) + " |"
+    print(header + "\n|" + "---|" * (len(fractions) + 1))
+    labels = ["none", *(s.label for s in specs if s.policy != "none")]
+    for label in labels:
+        cells_row = []
+        for f in ([None] if label == "none" else fractions):
+            accs = [next(r for r in runs if r.label == label and r.fraction == f and r.inputs == i).report["overall"]
+                    for i in inputs]
+            mark = "=" if len({round(a, 6) for a in accs}) == 1 else "≠"
+            cells_row.append(" / ".join(f"{100 * a:.1f}" for a in accs) + f" {mark}")
+        print(f"| {'full KV' if label == 'none' else label} | " + " | ".join(cells_row) + " |")
+
+
 def policy_specs(args: argparse.Namespace) -> list[PolicySpec]:
     r"""``--policies`` as ``PolicySpec``\ s, with ``--granularity`` as every policy's default."""
     from cords_vllm.bench.workload import PolicySpec
@@ -151,15 +179,17 @@ def policy_specs(args: argparse.Namespace) -> list[PolicySpec]:
 
 
 def with_progress(specs: list[PolicySpec], fractions: list[float],
-                  run_cells: Callable[[Callable[[AccuracyRun], None]], list[AccuracyRun]]) -> list[AccuracyRun]:
-    """``run_cells(on_cell)`` under a progress bar of its cells: full KV once, then each policy x budget."""
+                  run_cells: Callable[[Callable[[AccuracyRun], None]], list[AccuracyRun]], repeats: int = 1
+                  ) -> list[AccuracyRun]:
+    """``run_cells(on_cell)`` under a progress bar of its cells: full KV once, then each policy x budget (each
+    ``repeats`` times, e.g. once per input shape)."""
     from tqdm import tqdm
 
-    cells = 1 + len(fractions) * len([s for s in specs if s.policy != "none"])
+    cells = repeats * (1 + len(fractions) * len([s for s in specs if s.policy != "none"]))
     with tqdm(total=cells, desc="policy x budget", unit="cell") as bar:
         def report(run):
             bar.update(1)
-            bar.set_postfix_str(f"{run.label} {run.fraction} -> {run.report['overall']:.3f}")
+            bar.set_postfix_str(f"{run.label} {run.fraction} {run.inputs} -> {run.report['overall']:.3f}")
         return run_cells(report)
 
 

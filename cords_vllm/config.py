@@ -26,7 +26,9 @@ from cords_vllm.selection.base import GRANULARITIES
 NO_POLICY = "none"
 ADDITIONAL_CONFIG_POLICY = "kv_policy"
 ADDITIONAL_CONFIG_CONFIG = "kv_policy_config"
-#: Non-video tokens a request may hold under a policy unless ``max_text_tokens`` says otherwise.
+#: Multimodal inputs whose tokens can be candidates for eviction (vLLM's modality names).
+MODALITIES = ("image", "video")
+#: Protected (non-candidate) tokens a request may hold under a policy unless ``max_text_tokens`` says otherwise.
 DEFAULT_MAX_TEXT_TOKENS = 8192
 
 #: Engine keys of ``kv_policy_config``, with their meaning (also the configuration reference in --help).
@@ -43,11 +45,17 @@ ENGINE_KEYS: dict[str, str] = {
                 "false)",
     "anchors": "layers that run the selector on their own keys/values: a list of layer indices (or one index), "
                "or 'all' (every layer is its own anchor, no followers) (default [0])",
-    "max_text_tokens": "the most non-video tokens (text, questions, kept answers) one request may hold (int >= 0; "
+    "modalities": "which inputs' tokens are candidates for eviction: a list of 'image' and/or 'video' (default "
+                  "both). Each image is one frame, and the images and videos of a request form one stream of "
+                  "frames in prompt order, so frames a client sends as images (lmms-eval, VLMEvalKit) are "
+                  "compressed like a video's; an input left out is protected like text and counts towards "
+                  "max_text_tokens",
+    "max_text_tokens": "the most protected tokens (text, questions, kept answers: all but the candidates) one "
+                       "request may hold (int >= 0; "
                        "default min(max-model-len, 8192)). The start-up check asks the KV pool for one request's "
                        "bounded footprint, max_text_tokens + budget + slack + 2 blocks, instead of one "
                        "max-model-len request, so --max-model-len (a stream's logical length) may exceed the "
-                       "pool; a request with more non-video tokens is ended with an error",
+                       "pool; a request with more is ended with an error",
 }
 
 
@@ -91,8 +99,10 @@ class KVPolicyConfig:
         Per-KV-head selection instead of joint selection over all heads.
     anchors:
         Anchor layer indices, or ``None`` for "every layer is an anchor".
+    modalities:
+        vLLM modality names (``"image"``, ``"video"``) whose tokens are candidates; the rest is protected.
     max_text_tokens:
-        The most non-video tokens a request may hold; ``None``: :data:`DEFAULT_MAX_TEXT_TOKENS`, at most
+        The most protected (non-candidate) tokens a request may hold; ``None``: :data:`DEFAULT_MAX_TEXT_TOKENS`, at most
         max-model-len (:meth:`text_limit`). The start-up rule asks the pool for a request's bounded footprint
         instead of a max-model-len request (see :data:`ENGINE_KEYS`).
     params:
@@ -106,6 +116,7 @@ class KVPolicyConfig:
     granularity: str = "frame"
     per_head: bool = False
     anchors: tuple[int, ...] | None = (0,)
+    modalities: tuple[str, ...] = MODALITIES
     max_text_tokens: int | None = None
     params: Mapping[str, Any] = field(default_factory=dict)
 
@@ -153,7 +164,8 @@ class KVPolicyConfig:
         if max_text is not None:
             max_text = _int(engine, "max_text_tokens", 0, minimum=0)
         return cls(policy=policy, budget=budget, recent=recent, slack=slack, granularity=granularity,
-                   per_head=per_head, anchors=_anchors(engine.get("anchors", [0])), max_text_tokens=max_text,
+                   per_head=per_head, anchors=_anchors(engine.get("anchors", [0])),
+                   modalities=_modalities(engine.get("modalities", list(MODALITIES))), max_text_tokens=max_text,
                    params=params)
 
     @classmethod
@@ -170,6 +182,7 @@ class KVPolicyConfig:
         """The ``kv_policy_config`` JSON object that parses back to this configuration."""
         out = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("policy", "params")}
         out["anchors"] = "all" if self.anchors is None else list(self.anchors)
+        out["modalities"] = list(self.modalities)
         if self.max_text_tokens is None:
             del out["max_text_tokens"]
         return {**out, **dict(self.params)}
@@ -187,7 +200,7 @@ class KVPolicyConfig:
         return {**self.to_json(), **{name: getattr(selector, name) for name in selector_params(self.policy)}}
 
     def text_limit(self, max_model_len: int) -> int:
-        """The most non-video tokens a request may hold under this policy, for an engine's max-model-len."""
+        """The most protected tokens a request may hold under this policy, for an engine's max-model-len."""
         limit = DEFAULT_MAX_TEXT_TOKENS if self.max_text_tokens is None else self.max_text_tokens
         return min(limit, max_model_len)
 
@@ -281,6 +294,17 @@ def _anchors(value: Any) -> tuple[int, ...] | None:
             f">= 0, got {value!r}"
         )
     return tuple(sorted(value))
+
+
+def _modalities(value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = [value]  # one modality
+    if (not isinstance(value, list | tuple) or not value or len(set(value)) != len(value)
+            or any(m not in MODALITIES for m in value)):
+        raise KVPolicyConfigError(
+            f"kv_policy_config key 'modalities' must be a non-empty list of distinct names from "
+            f"{list(MODALITIES)}, got {value!r}", "modalities")
+    return tuple(m for m in MODALITIES if m in value)
 
 
 def _check_selector_params(policy: str, params: Mapping[str, Any]) -> None:

@@ -34,7 +34,8 @@ from cords_vllm.vqa import VQAExample, accuracy_report
 class AccuracyRun:
     """One (policy, budget) cell: the accuracy report and the budget the requests really held.
 
-    ``label`` names the variant (``cords:granularity=token``); ``policy`` is its registry name.
+    ``label`` names the variant (``cords:granularity=token``); ``policy`` is its registry name; ``inputs``
+    how the requests carried the video (``video``, or ``images``: every frame as its own image).
     """
 
     label: str
@@ -45,6 +46,7 @@ class AccuracyRun:
     report: dict[str, Any]
     effective_video_tokens: float
     seconds: float
+    inputs: str = "video"
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -60,13 +62,15 @@ class EngineShape:
     dtype: str = "float32"
 
 
-def engine_args(checkpoint: str | Path, examples: Sequence[VQAExample], shape: EngineShape) -> dict[str, Any]:
+def engine_args(checkpoint: str | Path, examples: Sequence[VQAExample], shape: EngineShape,
+                inputs: str = "video") -> dict[str, Any]:
+    """``vllm.LLM`` keyword arguments for ``examples`` sent as ``inputs`` (``video`` or ``images``)."""
     from cords_vllm.vqa.serving import engine_kwargs
 
     geometry = examples[0].geometry
-    kw = engine_kwargs(checkpoint, geometry, dtype=shape.dtype)
+    kw = engine_kwargs(checkpoint, geometry, dtype=shape.dtype, inputs=inputs)
     kw.update(block_size=shape.block_size, max_num_seqs=shape.batch,
-              max_num_batched_tokens=shape.batch * (geometry.num_video_tokens + 64),
+              max_num_batched_tokens=shape.batch * kw["max_model_len"],
               max_num_scheduled_tokens=shape.batch * shape.chunk, long_prefill_token_threshold=shape.chunk)
     return kw
 
@@ -86,17 +90,18 @@ def cell_llm(kwargs: dict[str, Any], spec: PolicySpec | str, budget: int | None)
 
 
 def run_policy(checkpoint: str | Path, examples: Sequence[VQAExample], spec: PolicySpec | str, budget: int | None,
-               shape: EngineShape) -> tuple[list[str], float]:
-    """Greedy one-token answers under ``spec`` and the mean video tokens held when answering.
+               shape: EngineShape, inputs: str = "video") -> tuple[list[str], float]:
+    """Greedy one-token answers under ``spec`` and the mean candidate (video or image) tokens held when
+    answering, with the video sent as ``inputs`` (``video``, or ``images``: one image per frame).
 
-    ``budget`` overrides the spec's; compression runs whenever the held video tokens exceed it (slack 0), so
-    every policy holds the same number of tokens at the answer.
+    ``budget`` overrides the spec's; compression runs whenever the held candidate tokens exceed it (slack 0),
+    so every policy holds the same number of tokens at the answer.
     """
     from vllm import SamplingParams
 
     from cords_vllm.introspect import observe_steps, requests_of
 
-    llm = cell_llm(engine_args(checkpoint, examples, shape), spec, budget)
+    llm = cell_llm(engine_args(checkpoint, examples, shape, inputs), spec, budget)
     held_at_answer: list[int] = []
 
     def observe(scheduler, out) -> None:
@@ -107,7 +112,7 @@ def run_policy(checkpoint: str | Path, examples: Sequence[VQAExample], spec: Pol
             held_at_answer.extend(held[r].held_video_tokens for r in answering)
 
     observe_steps(llm, observe)
-    outputs = llm.generate([e.vllm_request() for e in examples], SamplingParams(temperature=0.0, max_tokens=1),
+    outputs = llm.generate([e.vllm_request(inputs) for e in examples], SamplingParams(temperature=0.0, max_tokens=1),
                            use_tqdm=False)
     del llm
     gc.collect()
@@ -246,16 +251,28 @@ def budget_cells(policies: Sequence[PolicySpec | str], fractions: Sequence[float
 
 def evaluate(checkpoint: str | Path, examples: Sequence[VQAExample], policies: Sequence[PolicySpec | str],
              fractions: Sequence[float], shape: EngineShape,
-             on_cell: Callable[[AccuracyRun], None] | None = None) -> list[AccuracyRun]:
-    """Full KV once, then every (policy, fraction) cell."""
+             on_cell: Callable[[AccuracyRun], None] | None = None, inputs: Sequence[str] = ("video",)
+             ) -> list[AccuracyRun]:
+    """Full KV once, then every (policy, fraction) cell, for each input shape in ``inputs``.
+
+    A budget is a fraction of the tokens the video occupies in the request
+    (:func:`~cords_vllm.vqa.serving.candidate_tokens`), so every input shape keeps the same share of its
+    frames: frames sent as images occupy twice the tokens of the same frames sent as a video (an image is one
+    frame, a video token covers a two-frame patch), and so hold twice the KV at the same fraction.
+    """
+    from cords_vllm.vqa.serving import candidate_tokens
+
     runs = []
-    for spec, fraction, budget in budget_cells(policies, fractions, examples[0].geometry.num_video_tokens,
-                                               shape.block_size):
-        t0 = time.perf_counter()
-        predictions, held = run_policy(checkpoint, examples, spec, budget, shape)
-        run = AccuracyRun(spec.label, spec.policy, spec.config, fraction, budget,
-                          accuracy_report(examples, predictions), held, time.perf_counter() - t0)
-        runs.append(run)
-        if on_cell:
-            on_cell(run)
+    per_shape = {name: budget_cells(policies, fractions, candidate_tokens(examples[0].geometry, name),
+                                    shape.block_size) for name in inputs}
+    for i in range(len(per_shape[inputs[0]])):
+        for shape_name in inputs:
+            spec, fraction, budget = per_shape[shape_name][i]
+            t0 = time.perf_counter()
+            predictions, held = run_policy(checkpoint, examples, spec, budget, shape, shape_name)
+            run = AccuracyRun(spec.label, spec.policy, spec.config, fraction, budget,
+                              accuracy_report(examples, predictions), held, time.perf_counter() - t0, shape_name)
+            runs.append(run)
+            if on_cell:
+                on_cell(run)
     return runs

@@ -18,6 +18,7 @@ fit are admitted when their compressed form does.
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +33,7 @@ from cords_vllm.compress.plan import (
     next_compression_point,
     plan_compression,
 )
-from cords_vllm.config import REQUEST_OVERRIDES_KEY, KVPolicyConfig, KVPolicyConfigError
+from cords_vllm.config import MODALITIES, REQUEST_OVERRIDES_KEY, KVPolicyConfig, KVPolicyConfigError
 from cords_vllm.engine.checks import single_kv_cache_group
 from cords_vllm.engine.protocol import attach_plans
 from cords_vllm.observability import CounterSink
@@ -47,16 +48,22 @@ def marker_token_ids(model_config: Any) -> frozenset[int]:
     return frozenset(i for i in ids if isinstance(i, int))
 
 
-def video_spans(request: Any, markers: frozenset[int] = frozenset()) -> VideoSpans:
-    """Logical video token ranges of a vLLM ``Request`` (from its multimodal placeholders).
+def candidate_spans(request: Any, markers: frozenset[int] = frozenset(),
+                    modalities: Collection[str] = MODALITIES) -> VideoSpans:
+    """Logical ranges of a vLLM ``Request``'s candidate tokens: those of its multimodal inputs whose modality
+    is in ``modalities`` (from their placeholders), in prompt order.
 
-    A marker token (``markers``: e.g. ``<|vision_start|>`` / ``<|vision_end|>``) right before or after a video
-    belongs to it: it is evicted with the video's tokens, so a live stream's per-clip markers do not pile up
-    as text that can never be evicted.
+    Images and videos alike: each image is one frame (its own M-RoPE temporal label), so the images of a
+    request, e.g. video frames a client sent as ``image_url`` parts, are one stream of frames in time order,
+    interleaved with its videos' frames. Text between and around them is protected.
+
+    A marker token (``markers``: e.g. ``<|vision_start|>`` / ``<|vision_end|>``) right before or after an
+    input belongs to it: it is evicted with the input's tokens, so a live stream's per-clip markers (and the
+    pair around every image) do not pile up as text that can never be evicted.
     """
     spans: list[tuple[int, int]] = []
     for feature in getattr(request, "mm_features", None) or ():
-        if feature.modality != "video":
+        if feature.modality not in modalities:
             continue
         pos = feature.mm_position
         if pos.is_embed is None:
@@ -141,7 +148,8 @@ class SchedulerCompressor:
         n_items = len(getattr(request, "mm_features", None) or ())
         cached = self.spans.get(request.request_id)
         if cached is None or cached[0] != n_items:
-            cached = self.spans[request.request_id] = (n_items, video_spans(request, self.markers))
+            spans = candidate_spans(request, self.markers, self.config.modalities)
+            cached = self.spans[request.request_id] = (n_items, spans)
         return cached[1]
 
     def held_blocks(self, req_id: str, row: list) -> int:
@@ -220,8 +228,8 @@ class SchedulerCompressor:
 
     def _end_invalid_requests(self, scheduler: Any) -> None:
         """End waiting requests (new ones, and sessions whose next turn arrived) that the policy cannot serve:
-        more non-video tokens than ``max_text_tokens`` (the start-up rule only promised the pool their bounded
-        footprint), or invalid per-request overrides.
+        more protected (non-candidate) tokens than ``max_text_tokens`` (the start-up rule only promised the pool
+        their bounded footprint), or invalid per-request overrides.
 
         They go through vLLM's own error channel (the ids the scheduler ends with ``FINISHED_ERROR``, and
         reports to the client, when it processes the step's output).
@@ -233,7 +241,7 @@ class SchedulerCompressor:
             reason = None
             text = request.num_tokens - self.spans_of(request).total
             if text > limit:
-                reason = (f"holds {text} non-video tokens, more than kv_policy_config key 'max_text_tokens' "
+                reason = (f"holds {text} protected (text) tokens, more than kv_policy_config key 'max_text_tokens' "
                           f"({limit})")
             if reason is None and isinstance(invalid := self._narrowed(request), KVPolicyConfigError):
                 reason = str(invalid)
@@ -307,7 +315,7 @@ def describe_requests(scheduler: Any, compressor: SchedulerCompressor | None) ->
         request = scheduler.requests.get(req_id)
         if request is None:
             continue
-        video = compressor.spans_of(request) if compressor else video_spans(request, markers)
+        video = compressor.spans_of(request) if compressor else candidate_spans(request, markers)
         state = (compressor.states.get(req_id) if compressor else None) or RequestCompressionState()
         out[req_id] = RequestCompression(
             region_blocks=state.region_blocks, held_blocks=non_null_blocks(row, state),

@@ -21,35 +21,46 @@ import numpy as np
 import torch
 
 
-def vllm_mrope_positions(input_ids: Sequence[int], video_grid_thw: Sequence[Sequence[int]] | None,
-                         video_token_id: int, spatial_merge_size: int) -> tuple[torch.Tensor, int]:
-    """Qwen2-VL M-RoPE position ids as vLLM computes them, for a prompt with any number of videos.
+def vllm_mrope_positions(input_ids: Sequence[int], grids: Mapping[int, Sequence[Sequence[int]]],
+                         spatial_merge_size: int) -> tuple[torch.Tensor, int]:
+    """Qwen2-VL M-RoPE position ids as vLLM computes them, for a prompt with any images and videos.
+
+    ``grids`` maps each placeholder token id (the image pad, the video pad) to the ``(t, h, w)`` patch grids
+    of that modality's inputs, in prompt order (a processor's ``image_grid_thw`` / ``video_grid_thw``). An
+    input's tokens get ``(t, h, w)`` grid positions offset by the position after the text before it (an
+    image is a grid with ``t == 1``, so every image has its own temporal position); text after an input
+    starts at ``max(its positions) + 1``.
 
     Returns ``(positions [3, L] int64, delta)`` where decode step ``t`` (0-based, after the prompt) uses
     position ``L + t + delta`` on all three axes.
     """
     ids = np.asarray(input_ids)
-    grids = list(video_grid_thw or [])
+    queues = {token: list(g) for token, g in grids.items()}
+    placeholder = np.isin(ids, list(queues))
     parts: list[np.ndarray] = []
     start = 0  # next text index
     next_pos = 0
-    video_positions = np.nonzero(ids == video_token_id)[0]
-    cursor = 0
-    for t, h, w in grids:
+    while True:
+        found = np.nonzero(placeholder[start:])[0]
+        if found.size == 0:
+            break
+        first = start + int(found[0])
+        token = int(ids[first])
+        if not queues[token]:
+            raise ValueError(f"more inputs of placeholder token {token} in the prompt than grids")
+        t, h, w = queues[token].pop(0)
         hh, ww = h // spatial_merge_size, w // spatial_merge_size
         n = t * hh * ww
-        first = int(video_positions[cursor])
-        if not np.all(video_positions[cursor:cursor + n] == np.arange(first, first + n)):
-            raise ValueError("each video's placeholder tokens must be contiguous")
+        if not np.all(ids[first:first + n] == token):
+            raise ValueError(f"an input of placeholder token {token} has fewer than its grid's {n} tokens")
         text_len = first - start
         parts.append(np.broadcast_to(np.arange(text_len) + next_pos, (3, text_len)))
         grid = np.indices((t, hh, ww)).reshape(3, -1) + next_pos + text_len
         parts.append(grid)
         next_pos = int(grid.max()) + 1
         start = first + n
-        cursor += n
-    if cursor != len(video_positions):
-        raise ValueError("video_grid_thw does not account for every video token")
+    if any(queues.values()):
+        raise ValueError("the grids name more inputs than the prompt's placeholders")
     tail = len(ids) - start
     parts.append(np.broadcast_to(np.arange(tail) + next_pos, (3, tail)))
     pos = np.concatenate(parts, axis=1)
@@ -86,32 +97,45 @@ class HFQwen2VLReference:
         self.model = Qwen2VLForConditionalGeneration.from_pretrained(model_dir, dtype=dtype).eval()
         self.config = self.model.config
 
-    def encode(self, prompt: str, video: np.ndarray | Sequence[np.ndarray] | None = None
+    def encode(self, prompt: str, video: np.ndarray | Sequence[np.ndarray] | None = None, *,
+               images: Sequence[np.ndarray] | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-        """Prompt text (one ``<|video_pad|>`` placeholder per video) + optional ``[T, H, W, 3]`` video(s).
+        """Prompt text (one ``<|video_pad|>`` / ``<|image_pad|>`` placeholder per input) + its inputs.
 
-        ``video`` is one video or a list of videos, in prompt order (e.g. the clips of a live stream).
-        Returns ``(input_ids [L], inputs_embeds [1, L, hidden], positions [3, L], mrope_delta)``.
+        ``video`` is one ``[T, H, W, 3]`` video or a list of them, in prompt order (e.g. the clips of a live
+        stream); ``images`` are ``[H, W, 3]`` images in prompt order. Images and videos may interleave in the
+        prompt. Returns ``(input_ids [L], inputs_embeds [1, L, hidden], positions [3, L], mrope_delta)``.
         """
         videos = None if video is None else list(video) if isinstance(video, list | tuple) else [video]
-        enc = self.processor(text=[prompt], videos=videos, return_tensors="pt")
+        images = list(images) if images else None
+        enc = self.processor(text=[prompt], videos=videos, images=images, return_tensors="pt")
         ids = enc["input_ids"]
+        grids: dict[int, list] = {}
         with torch.no_grad():
             emb = self.model.model.get_input_embeddings()(ids)
-            grid = None
             if videos:
                 feats = self.model.model.get_video_features(enc["pixel_values_videos"], enc["video_grid_thw"],
                                                             return_dict=True)
-                vemb = torch.cat(list(feats.pooler_output), 0).to(emb.dtype)
-                mask = (ids == self.config.video_token_id).unsqueeze(-1).expand_as(emb)
-                emb = emb.masked_scatter(mask, vemb)
-                grid = enc["video_grid_thw"].tolist()
-        pos, delta = vllm_mrope_positions(ids[0].tolist(), grid, self.config.video_token_id,
-                                          self.config.vision_config.spatial_merge_size)
+                emb = self._scatter(emb, ids, self.config.video_token_id, feats.pooler_output)
+                grids[self.config.video_token_id] = enc["video_grid_thw"].tolist()
+            if images:
+                feats = self.model.model.get_image_features(enc["pixel_values"], enc["image_grid_thw"],
+                                                            return_dict=True)
+                emb = self._scatter(emb, ids, self.config.image_token_id, feats.pooler_output)
+                grids[self.config.image_token_id] = enc["image_grid_thw"].tolist()
+        pos, delta = vllm_mrope_positions(ids[0].tolist(), grids, self.config.vision_config.spatial_merge_size)
         return ids[0], emb, pos, delta
 
+    @staticmethod
+    def _scatter(emb: torch.Tensor, ids: torch.Tensor, token: int, features: Sequence[torch.Tensor]
+                 ) -> torch.Tensor:
+        """``emb`` ``[1, L, hidden]`` with the placeholder ``token``'s rows replaced by ``features`` in order."""
+        mask = (ids == token).unsqueeze(-1).expand_as(emb)
+        return emb.masked_scatter(mask, torch.cat(list(features), 0).to(emb.dtype))
+
     @torch.no_grad()
-    def run(self, prompt: str, video: np.ndarray | Sequence[np.ndarray] | None = None, *, max_new_tokens: int = 8,
+    def run(self, prompt: str, video: np.ndarray | Sequence[np.ndarray] | None = None, *,
+            images: Sequence[np.ndarray] | None = None, max_new_tokens: int = 8,
             chunk_sizes: Sequence[int] | None = None,
             evictions: Mapping[int, Sequence[torch.Tensor]] | None = None,
             forced_tokens: Sequence[int] | None = None) -> ReferenceResult:
@@ -119,6 +143,8 @@ class HFQwen2VLReference:
 
         Parameters
         ----------
+        video, images:
+            The prompt's inputs (see :meth:`encode`).
         chunk_sizes:
             Prefill chunk lengths summing to the prompt length (default: one chunk).
         evictions:
@@ -130,7 +156,7 @@ class HFQwen2VLReference:
             Teacher-forced continuation (e.g. the engine's output); default: the reference's own greedy
             tokens.
         """
-        ids, emb, pos, delta = self.encode(prompt, video)
+        ids, emb, pos, delta = self.encode(prompt, video, images=images)
         length = int(ids.numel())
         chunks = list(chunk_sizes) if chunk_sizes is not None else [length]
         if sum(chunks) != length or any(c <= 0 for c in chunks):

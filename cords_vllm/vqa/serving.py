@@ -15,16 +15,28 @@ _TEXT_TOKENS = 64
 
 
 def engine_kwargs(checkpoint: str | os.PathLike, geometry: VideoGeometry, *, dtype: str = "float32",
-                  kv_cache_memory_bytes: int = 256 << 20, seed: int = 0) -> dict[str, Any]:
+                  kv_cache_memory_bytes: int = 256 << 20, seed: int = 0, inputs: str = "video") -> dict[str, Any]:
     """Keyword arguments of ``vllm.LLM`` for serving ``checkpoint`` on videos of ``geometry``.
 
-    Eager mode, one video per prompt, and a ``max_model_len`` that fits the video tokens, the text and the
-    one answer token (rounded up to a multiple of 256).
+    Eager mode, and a ``max_model_len`` that fits the video tokens, the text and the one answer token
+    (rounded up to a multiple of 256). ``inputs="video"``: one video per prompt; ``"images"``: the frames as
+    images (one per frame, each frame its own patch of ``tokens_per_patch`` tokens between two markers).
     """
-    need = geometry.num_video_tokens + _TEXT_TOKENS
+    need = candidate_tokens(geometry, inputs)
+    limit = {"image": 0, "video": 1} if inputs == "video" else {"image": geometry.num_frames, "video": 0}
     return {"model": str(checkpoint), "dtype": dtype, "enforce_eager": True,
-            "max_model_len": cdiv(need, 256) * 256, "kv_cache_memory_bytes": kv_cache_memory_bytes,
-            "limit_mm_per_prompt": {"image": 0, "video": 1}, "seed": seed}
+            "max_model_len": cdiv(need + _TEXT_TOKENS, 256) * 256, "kv_cache_memory_bytes": kv_cache_memory_bytes,
+            "limit_mm_per_prompt": limit, "seed": seed}
+
+
+def candidate_tokens(geometry: VideoGeometry, inputs: str = "video") -> int:
+    """Tokens a request's video occupies when sent as ``inputs``: ``"video"``, its video tokens; ``"images"``,
+    one image per frame, each a patch of ``tokens_per_patch`` tokens between two vision markers."""
+    if inputs == "video":
+        return geometry.num_video_tokens
+    if inputs == "images":
+        return geometry.num_frames * (geometry.tokens_per_patch + 2)
+    raise ValueError(f"inputs must be 'video' or 'images', got {inputs!r}")
 
 
 def predict_vllm(llm: Any, examples: Sequence[VQAExample], *, chunk: int = 64,

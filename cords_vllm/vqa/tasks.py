@@ -34,7 +34,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from cords_vllm.vqa.prompt import build_prompt, chat_messages
+from cords_vllm.vqa.prompt import INPUT_SHAPES, build_prompt, chat_messages
 from cords_vllm.vqa.video import (
     COLOUR_NAMES,
     Mark,
@@ -256,10 +256,16 @@ class VQAExample:
         """Chat messages that the shipped chat template renders to :attr:`prompt`."""
         return chat_messages(self.question, video)
 
-    def vllm_request(self) -> dict[str, Any]:
+    def vllm_request(self, inputs: str = "video") -> dict[str, Any]:
         """The offline vLLM request: ``{"prompt": ..., "multi_modal_data": {"video": frames}}`` (a writable
-        copy of the frames, which the engine wraps in a tensor)."""
-        return {"prompt": self.prompt, "multi_modal_data": {"video": np.array(self.frames)}}
+        copy of the frames, which the engine wraps in a tensor), or with ``inputs="images"`` every frame as its
+        own image, in order (``{"image": [frame, ...]}``), as evaluation clients send a video."""
+        if inputs == "video":
+            return {"prompt": self.prompt, "multi_modal_data": {"video": np.array(self.frames)}}
+        if inputs == "images":
+            return {"prompt": build_prompt(self.question, images=len(self.frames)),
+                    "multi_modal_data": {"image": [np.array(f) for f in self.frames]}}
+        raise ValueError(f"inputs must be one of {INPUT_SHAPES}, got {inputs!r}")
 
     @property
     def needle_positions(self) -> tuple[float, ...]:

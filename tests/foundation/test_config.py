@@ -22,8 +22,16 @@ def test_defaults():
     cfg = KVPolicyConfig.parse("cords", None)
     assert (cfg.budget, cfg.recent, cfg.slack, cfg.granularity, cfg.per_head, cfg.anchors) == (
         2048, 512, 512, "frame", False, (0,))
+    assert cfg.modalities == ("image", "video")  # frames sent as images are compressed too
     assert cfg.enabled
     assert not KVPolicyConfig.parse(None, None).enabled
+
+
+def test_modalities_choose_the_candidates():
+    assert KVPolicyConfig.parse("cords", {"modalities": ["video"]}).modalities == ("video",)
+    assert KVPolicyConfig.parse("cords", {"modalities": "image"}).modalities == ("image",)
+    both = KVPolicyConfig.parse("cords", {"modalities": ["video", "image"]})
+    assert both.modalities == ("image", "video") and both.to_json()["modalities"] == ["image", "video"]
 
 
 def test_roundtrip_through_json():
@@ -53,6 +61,9 @@ def test_settings_are_everything_in_force():
     ('{"anchors": []}', "anchors"),
     ('{"anchors": [1, 1]}', "anchors"),
     ('{"alpha": 7}', "alpha"),
+    ('{"modalities": []}', "modalities"),
+    ('{"modalities": ["audio"]}', "modalities"),
+    ('{"modalities": ["image", "image"]}', "modalities"),
     ("[1, 2]", "JSON object"),
     ("{budget: 1}", "not valid JSON"),
 ])
