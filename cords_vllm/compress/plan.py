@@ -19,8 +19,10 @@ Model of a request's KV row (one full-attention KV cache group):
   blocks: the number of candidate (video) tokens kept is rounded UP so that protected + kept tokens in the
   region is a multiple of ``bs``.
 
-Only video tokens are candidates. Every other token of the region (system text, the question, text between
-videos) is protected: kept in every layer and not counted in the budget. The recent window is the
+Only candidate tokens are evicted: those of the request's videos and images (the scheduler chooses the
+modalities; "video" in the names below means every candidate, a frame sent as an image included). Every
+other token of the region (system text, the question, text between inputs) is protected: kept in every
+layer and not counted in the budget. The recent window is the
 ``recent`` newest computed video tokens; the region ends at the block boundary at or before the first of
 them, so no recent video token is ever a candidate.
 """

@@ -45,3 +45,22 @@ def test_accuracy_benchmark_reports_cells_controls_and_plots(tmp_path: Path) -> 
     assert set(payload["coverage_max_gap_vs_infinipot_v"]) == {"joint", "k", "v"}
     for name in ("accuracy_vs_budget.png", "accuracy_by_family.png", "coverage_cdf.png"):
         assert (tmp_path / name).stat().st_size > 10_000
+
+
+def test_accuracy_benchmark_compares_frames_as_images_with_the_video(tmp_path: Path, capsys) -> None:
+    script = _load_script()
+    rc = script.main(["--families", "colour", "static", "--per-family", "2", "--fractions", "0.25",
+                      "--policies", "cords", "--inputs", "video", "images", "--no-controls", "--out", str(tmp_path)])
+    assert rc == 0
+    payload = json.loads((tmp_path / "results.json").read_text())
+    runs = {(r["label"], r["fraction"], r["inputs"]): r for r in payload["runs"]}
+    assert set(runs) == {(label, fraction, inputs) for label, fraction in (("none", None), ("cords", 0.25))
+                         for inputs in ("video", "images")}
+    # 64 frames as 64 images: 16 tokens and two vision markers each, all of them candidates
+    assert runs[("none", None, "images")]["effective_video_tokens"] == 64 * 18
+    assert runs[("cords", 0.25, "images")]["budget"] == round(0.25 * 64 * 18)
+    assert runs[("cords", 0.25, "images")]["effective_video_tokens"] < 64 * 18 / 2
+    assert runs[("none", None, "images")]["report"]["overall"] == runs[("none", None, "video")]["report"]["overall"]
+    assert "| cords |" in capsys.readouterr().out.split("video vs images")[1]
+    for name in ("accuracy_vs_budget.png", "images/accuracy_vs_budget.png"):
+        assert (tmp_path / name).stat().st_size > 10_000
