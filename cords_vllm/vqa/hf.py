@@ -1,9 +1,12 @@
 """Running the video-QA task through HF transformers' Qwen2-VL (training and reference evaluation).
 
 The HF inputs are built without the HF processor, for speed, but equal to what it produces (a test checks
-it): :func:`patchify` is ``Qwen2VLVideoProcessor`` for frames already at a size it keeps, the prompt is
-:func:`cords_vllm.vqa.prompt.build_prompt` with ``<|video_pad|>`` expanded to the video's tokens, and the
-position ids are vLLM's M-RoPE ids (:mod:`cords_vllm.vqa.positions`). Batches mix families: rows are
+it): :func:`patchify` is ``Qwen2VLVideoProcessor`` for frames already at a size it keeps
+(:func:`patchify_images` the image processor, for the frames sent as images), the prompt is
+:func:`cords_vllm.vqa.prompt.build_prompt` with each pad expanded to its input's tokens, and the position ids
+are vLLM's M-RoPE ids (:mod:`cords_vllm.vqa.positions`, :func:`cords_vllm.reference.hf.vllm_mrope_positions`).
+Every function takes ``inputs``: ``"video"`` (one video per prompt) or ``"images"`` (every frame its own
+image, in order: how evaluation clients send a video). Batches mix families: rows are
 right-padded, which a causal model never attends to, and each row's answer logits are read at its own
 last prompt token.
 """
@@ -18,8 +21,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from cords_vllm.reference.hf import vllm_mrope_positions
 from cords_vllm.vqa.positions import mrope_positions
-from cords_vllm.vqa.prompt import VIDEO_PAD, build_prompt
+from cords_vllm.vqa.prompt import IMAGE_PAD, INPUT_SHAPES, VIDEO_PAD, build_prompt
 from cords_vllm.vqa.tasks import VQAExample
 from cords_vllm.vqa.video import MERGE, PATCH, TEMPORAL_PATCH, VideoGeometry
 
@@ -59,6 +63,31 @@ def patchify(videos: np.ndarray | torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return x, grid
 
 
+def patchify_images(videos: np.ndarray | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen2-VL image patches of every frame of a batch of same-shape videos, each frame its own image.
+
+    ``Qwen2VLImageProcessor`` repeats an image over the temporal patch, so an image's patches are those of a
+    two-frame video of that frame.
+
+    Parameters
+    ----------
+    videos:
+        ``uint8 [B, T, H, W, 3]`` with ``H, W`` multiples of 28.
+
+    Returns
+    -------
+    pixel_values:
+        ``float32 [B * T * h * w, 3 * 2 * 14 * 14]`` (``h = H / 14``, ``w = W / 14``), rows ordered
+        (video, frame, h / 2, w / 2, 2, 2).
+    image_grid_thw:
+        ``int64 [B * T, 3]``, each row ``(1, h, w)``.
+    """
+    v = np.asarray(videos)
+    pixels, grid = patchify(np.repeat(v, TEMPORAL_PATCH, axis=1))
+    frames = v.shape[0] * v.shape[1]
+    return pixels, torch.tensor([[1, *grid[0, 1:].tolist()]] * frames, dtype=torch.long)
+
+
 @dataclass(frozen=True)
 class PromptLayout:
     """Token ids and positions of one question's prompt with the video pad expanded.
@@ -70,7 +99,8 @@ class PromptLayout:
     positions:
         ``int64 [3, L]`` M-RoPE position ids (vLLM's rule).
     video_start, video_stop:
-        ``[video_start, video_stop)`` are the video tokens.
+        ``[video_start, video_stop)`` spans the vision tokens (with frames sent as images: from the first
+        image's first token to the last image's last, the markers between images included).
     """
 
     ids: torch.Tensor
@@ -90,7 +120,9 @@ class HFBatch:
     position_ids:
         ``int64 [3, B, L]``.
     pixel_values_videos, video_grid_thw:
-        See :func:`patchify`.
+        See :func:`patchify` (``None`` for frames sent as images).
+    pixel_values, image_grid_thw:
+        See :func:`patchify_images` (``None`` for videos).
     last_index:
         ``int64 [B]``, index of each row's last prompt token (where the answer is predicted).
     answer_ids:
@@ -99,15 +131,19 @@ class HFBatch:
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
-    pixel_values_videos: torch.Tensor
-    video_grid_thw: torch.Tensor
+    pixel_values_videos: torch.Tensor | None
+    video_grid_thw: torch.Tensor | None
     last_index: torch.Tensor
     answer_ids: torch.Tensor
+    pixel_values: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
 
     def model_inputs(self) -> dict[str, torch.Tensor]:
         """Keyword arguments of ``Qwen2VLModel.forward``."""
-        return {"input_ids": self.input_ids, "position_ids": self.position_ids,
-                "pixel_values_videos": self.pixel_values_videos, "video_grid_thw": self.video_grid_thw}
+        vision = {k: v for k, v in (("pixel_values_videos", self.pixel_values_videos),
+                                    ("video_grid_thw", self.video_grid_thw), ("pixel_values", self.pixel_values),
+                                    ("image_grid_thw", self.image_grid_thw)) if v is not None}
+        return {"input_ids": self.input_ids, "position_ids": self.position_ids, **vision}
 
 
 class HFEncoder:
@@ -116,9 +152,10 @@ class HFEncoder:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.video_pad_id = int(tokenizer.convert_tokens_to_ids(VIDEO_PAD))
+        self.image_pad_id = int(tokenizer.convert_tokens_to_ids(IMAGE_PAD))
         pad = tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else tokenizer.convert_tokens_to_ids("<|endoftext|>"))
-        self._layouts: dict[tuple[str, VideoGeometry], PromptLayout] = {}
+        self._layouts: dict[tuple[str, VideoGeometry, str], PromptLayout] = {}
         self._answers: dict[str, int] = {}
 
     def answer_id(self, word: str) -> int:
@@ -130,10 +167,12 @@ class HFEncoder:
             self._answers[word] = int(ids[0])
         return self._answers[word]
 
-    def layout(self, question: str, geometry: VideoGeometry) -> PromptLayout:
-        """The :class:`PromptLayout` of ``question`` for videos of ``geometry``."""
-        key = (question, geometry)
-        if key not in self._layouts:
+    def layout(self, question: str, geometry: VideoGeometry, inputs: str = "video") -> PromptLayout:
+        """The :class:`PromptLayout` of ``question`` for videos of ``geometry`` sent as ``inputs``."""
+        key = (question, geometry, inputs)
+        if key in self._layouts:
+            return self._layouts[key]
+        if inputs == "video":
             ids = self.tokenizer.encode(build_prompt(question), add_special_tokens=False)
             where = [i for i, t in enumerate(ids) if t == self.video_pad_id]
             if len(where) != 1:
@@ -141,18 +180,31 @@ class HFEncoder:
             start, n = where[0], geometry.num_video_tokens
             full = ids[:start] + [self.video_pad_id] * n + ids[start + 1:]
             positions = mrope_positions(start, geometry.llm_grid, len(full) - start - n)
-            ids_t = torch.tensor(full, dtype=torch.long)
-            self._layouts[key] = PromptLayout(ids_t, positions, start, start + n)
-        return self._layouts[key]
+            layout = PromptLayout(torch.tensor(full, dtype=torch.long), positions, start, start + n)
+        elif inputs == "images":
+            ids = self.tokenizer.encode(build_prompt(question, images=geometry.num_frames), add_special_tokens=False)
+            if sum(t == self.image_pad_id for t in ids) != geometry.num_frames:
+                raise ValueError(f"the prompt must hold {geometry.num_frames} {IMAGE_PAD} tokens")
+            per_image = geometry.tokens_per_patch
+            full = [x for t in ids for x in ([t] * per_image if t == self.image_pad_id else [t])]
+            side = geometry.size // PATCH
+            positions, _ = vllm_mrope_positions(full, {self.image_pad_id: [(1, side, side)] * geometry.num_frames},
+                                                MERGE)
+            pads = [i for i, t in enumerate(full) if t == self.image_pad_id]
+            layout = PromptLayout(torch.tensor(full, dtype=torch.long), positions, pads[0], pads[-1] + 1)
+        else:
+            raise ValueError(f"inputs must be one of {INPUT_SHAPES}, got {inputs!r}")
+        self._layouts[key] = layout
+        return layout
 
-    def encode(self, examples: Sequence[VQAExample]) -> HFBatch:
-        """Batch ``examples`` (all with the same video geometry; questions may differ)."""
+    def encode(self, examples: Sequence[VQAExample], inputs: str = "video") -> HFBatch:
+        """Batch ``examples`` (all with the same video geometry; questions may differ), sent as ``inputs``."""
         if not examples:
             raise ValueError("empty batch")
         geometry = examples[0].geometry
         if any(e.geometry != geometry for e in examples):
             raise ValueError("a batch needs one video geometry")
-        layouts = [self.layout(e.question, geometry) for e in examples]
+        layouts = [self.layout(e.question, geometry, inputs) for e in examples]
         length = max(len(x.ids) for x in layouts)
         b = len(examples)
         ids = torch.full((b, length), self.pad_id, dtype=torch.long)
@@ -162,12 +214,14 @@ class HFEncoder:
             ids[row, :n] = x.ids
             positions[:, row, :n] = x.positions
             positions[:, row, n:] = x.positions[:, -1:] + torch.arange(1, length - n + 1)
-        pixels, grid = patchify(np.stack([e.frames for e in examples]))
-        return HFBatch(
-            input_ids=ids, position_ids=positions, pixel_values_videos=pixels, video_grid_thw=grid,
-            last_index=torch.tensor([len(x.ids) - 1 for x in layouts], dtype=torch.long),
-            answer_ids=torch.tensor([self.answer_id(e.answer) for e in examples], dtype=torch.long),
-        )
+        frames = np.stack([e.frames for e in examples])
+        last = torch.tensor([len(x.ids) - 1 for x in layouts], dtype=torch.long)
+        answers = torch.tensor([self.answer_id(e.answer) for e in examples], dtype=torch.long)
+        if inputs == "images":
+            pixels, grid = patchify_images(frames)
+            return HFBatch(ids, positions, None, None, last, answers, pixel_values=pixels, image_grid_thw=grid)
+        pixels, grid = patchify(frames)
+        return HFBatch(ids, positions, pixels, grid, last, answers)
 
 
 def answer_logits(model: Any, batch: HFBatch) -> torch.Tensor:
@@ -182,8 +236,9 @@ def answer_logits(model: Any, batch: HFBatch) -> torch.Tensor:
 
 @torch.no_grad()
 def predict(model: Any, encoder: HFEncoder, examples: Sequence[VQAExample], *, batch_size: int = 32,
-            candidates: Sequence[str] | None = None) -> list[str]:
-    """Greedy one-token answers of ``model`` (eval mode is the caller's business).
+            candidates: Sequence[str] | None = None, inputs: str = "video") -> list[str]:
+    """Greedy one-token answers of ``model`` (eval mode is the caller's business) to the videos sent as
+    ``inputs``.
 
     With ``candidates``, the argmax is taken over those words only (a closed-vocabulary readout);
     otherwise over the whole vocabulary, as an engine's greedy decoding does.
@@ -191,7 +246,7 @@ def predict(model: Any, encoder: HFEncoder, examples: Sequence[VQAExample], *, b
     cand_ids = torch.tensor([encoder.answer_id(w) for w in candidates]) if candidates else None
     out: list[str] = []
     for i in range(0, len(examples), batch_size):
-        logits = answer_logits(model, encoder.encode(examples[i:i + batch_size])).float()
+        logits = answer_logits(model, encoder.encode(examples[i:i + batch_size], inputs)).float()
         best = cand_ids[logits[:, cand_ids].argmax(-1)] if cand_ids is not None else logits.argmax(-1)
         out += [encoder.tokenizer.decode([int(t)]) for t in best]
     return out

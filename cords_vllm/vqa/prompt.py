@@ -21,6 +21,7 @@ from typing import Any
 VIDEO_PLACEHOLDER = "<|vision_start|><|video_pad|><|vision_end|>"
 VIDEO_PAD = "<|video_pad|>"
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+IMAGE_PAD = "<|image_pad|>"
 #: How a request carries the video: one video input, or every frame as its own image (as lmms-eval's and
 #: VLMEvalKit's API clients send it).
 INPUT_SHAPES = ("video", "images")

@@ -11,6 +11,7 @@ transformers = pytest.importorskip("transformers")
 from cords_vllm.vqa import FAMILIES, VideoGeometry, make_example, shipped_checkpoint  # noqa: E402
 from cords_vllm.vqa.hf import HFEncoder, answer_logits, fast_vision_attention, patchify  # noqa: E402
 from cords_vllm.vqa.positions import mrope_positions  # noqa: E402
+from cords_vllm.vqa.prompt import build_prompt  # noqa: E402
 
 GEOMETRY = VideoGeometry(num_frames=8, size=56)
 
@@ -30,6 +31,31 @@ def test_encoder_matches_processor(processor, family: str) -> None:
     torch.testing.assert_close(ref["pixel_values_videos"], batch.pixel_values_videos, atol=1e-5, rtol=0)
     assert int((batch.input_ids == HFEncoder(processor.tokenizer).video_pad_id).sum()) == \
         GEOMETRY.num_video_tokens
+
+
+def test_encoder_matches_processor_for_frames_as_images(processor) -> None:
+    """Every frame its own image: the image processor's patches and grids, the prompt with one expanded
+    ``<|image_pad|>`` per frame, and vLLM's M-RoPE ids (each image its own temporal position)."""
+    ex = make_example("count", 1, geometry=GEOMETRY)
+    frames = [np.array(f) for f in ex.frames]
+    ref = processor(text=[build_prompt(ex.question, images=len(frames))], images=frames, return_tensors="pt")
+    encoder = HFEncoder(processor.tokenizer)
+    batch = encoder.encode([ex], "images")
+    assert batch.pixel_values_videos is None and batch.video_grid_thw is None
+    assert torch.equal(ref["input_ids"][0], batch.input_ids[0])
+    assert torch.equal(ref["image_grid_thw"], batch.image_grid_thw)
+    torch.testing.assert_close(ref["pixel_values"], batch.pixel_values, atol=1e-5, rtol=0)
+    layout = encoder.layout(ex.question, GEOMETRY, "images")
+    per_image = GEOMETRY.tokens_per_patch
+    pads = (batch.input_ids[0] == encoder.image_pad_id).nonzero().flatten()
+    assert len(pads) == GEOMETRY.num_frames * per_image
+    assert (layout.video_start, layout.video_stop) == (int(pads[0]), int(pads[-1]) + 1)
+    # image k starts one past the previous image's largest position plus its two markers (end, start)
+    starts = batch.position_ids[0, 0, pads[::per_image]]
+    side = GEOMETRY.size // 28
+    assert torch.equal(starts.diff(), torch.full((GEOMETRY.num_frames - 1,), side + 2))
+    with pytest.raises(ValueError, match="inputs must be one of"):
+        encoder.encode([ex], "audio")
 
 
 def test_positions_follow_vllm_rule() -> None:
