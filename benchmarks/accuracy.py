@@ -155,7 +155,8 @@ def print_table(runs: list[AccuracyRun], specs: list[PolicySpec], fractions: lis
 
 def print_comparison(runs: list[AccuracyRun], specs: list[PolicySpec], fractions: list[float],
                      inputs: list[str]) -> None:
-    """Markdown table: each cell's accuracy under every input shape (``video / images``), and whether they agree."""
+    """Markdown table: each cell's accuracy under every input shape (``video / images``) and, in parentheses,
+    the last shape's minus the first's in points (``=`` when equal)."""
     print("\n## " + " vs ".join(inputs) + " (same questions, same share of their tokens kept)")
     header = "| policy | " + " | ".join(f"1/{round(1 / f)}" for f in fractions) + " |"
     print(header + "\n|" + "---|" * (len(fractions) + 1))
@@ -165,7 +166,8 @@ def print_comparison(runs: list[AccuracyRun], specs: list[PolicySpec], fractions
         for f in ([None] if label == "none" else fractions):
             accs = [next(r for r in runs if r.label == label and r.fraction == f and r.inputs == i).report["overall"]
                     for i in inputs]
-            mark = "=" if len({round(a, 6) for a in accs}) == 1 else "≠"
+            gap = 100 * (accs[-1] - accs[0])
+            mark = "(=)" if abs(gap) < 1e-6 else f"({gap:+.1f})"
             cells_row.append(" / ".join(f"{100 * a:.1f}" for a in accs) + f" {mark}")
         print(f"| {'full KV' if label == 'none' else label} | " + " | ".join(cells_row) + " |")
 

@@ -7,13 +7,16 @@ held-out split, converted to ``--save-dtype``, saved with tokenizer, processor a
 again from the saved files (HF, fp32 compute) and, with ``--vllm-per-family``, through the real vLLM engine;
 ``training.json`` next to the weights records configuration, data description and results.
 
-Examples (the two runs that made the shipped ``cords_vllm/assets/tiny_vqa``, 38 + 36 minutes on 2 shared
-CPU cores; ``training.json`` there records both)::
+Examples (the three runs that made the shipped ``cords_vllm/assets/tiny_vqa``, 38 + 36 + 25 minutes on 2
+shared CPU cores; ``training.json`` there records all three, each earlier one under ``continued_from``)::
 
     python benchmarks/train_vqa.py --minutes 38 --curriculum colour@32:350 --train-frames 16,32,64 \
         --output .cache/vqa-runs/r2
     python benchmarks/train_vqa.py --init .cache/vqa-runs/r2/checkpoint --minutes 36 --lr 5e-4 \
         --train-frames 16,32,64 --heldout-frames 128 --output .cache/vqa-runs/r3
+    # fine-tune on both request shapes: a batch is sent as one video or as one image per frame
+    python benchmarks/train_vqa.py --init .cache/vqa-runs/r3/checkpoint --inputs video,images --steps 575 \
+        --lr 3e-4 --warmup 10 --train-frames 16,32,64 --heldout-frames 128 --output .cache/vqa-runs/r4
 
     # re-measure a checkpoint without training (HF + vLLM), rewriting its training.json results
     python benchmarks/train_vqa.py --eval-only cords_vllm/assets/tiny_vqa
@@ -78,6 +81,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument("--train-frames", default=None,
                    help="comma-separated frame counts sampled per training batch (default: --frames)")
     g.add_argument("--size", type=int, default=112, help="frame side in pixels (multiple of 28)")
+    g.add_argument("--inputs", default="video",
+                   help="comma-separated ways the videos are sent, drawn per training batch and all monitored: "
+                        "video (one video input) and images (every frame its own image, as evaluation clients "
+                        "send a video); a shape listed twice is drawn twice as often")
     g.add_argument("--count-max", type=int, default=2, help="count family: answers 0..count-max")
     g.add_argument("--count-decoys", type=int, default=0, help="count family: up to this many decoy flashes")
     g.add_argument("--family-weights", default=None, metavar="NAME=W,...",
@@ -177,16 +184,17 @@ class BatchProducer:
     """
 
     def __init__(self, stages: Sequence[Stage], encoder: HFEncoder, *, batch: int, seed: int,
-                 size: int, depth: int = 3) -> None:
+                 size: int, inputs: Sequence[str] = ("video",), depth: int = 3) -> None:
         self.stages, self.encoder, self.batch, self.seed = list(stages), encoder, batch, seed
-        self.size = size
-        self.queue: queue.Queue[tuple[int, Any]] = queue.Queue(maxsize=depth)
+        self.size, self.inputs = size, tuple(inputs)
+        self.queue: queue.Queue[tuple[int, str, Any]] = queue.Queue(maxsize=depth)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
         rng = np.random.default_rng([self.seed, 99])
+        shapes = np.random.default_rng([self.seed, 98])  # its own stream: the video data order stays the same
         counters: dict[str, int] = {}
         k = stage_start = stage_index = 0
         while not self.stop.is_set():
@@ -202,7 +210,8 @@ class BatchProducer:
                 index = counters.get(fam.name, 0)
                 examples.append(make_example(fam, index, seed=self.seed, geometry=geometry))
                 counters[fam.name] = index + 1
-            item = (frames, self.encoder.encode(examples))
+            inputs = self.inputs[int(shapes.integers(0, len(self.inputs)))]
+            item = (frames, inputs, self.encoder.encode(examples, inputs))
             while not self.stop.is_set():
                 try:
                     self.queue.put(item, timeout=0.5)
@@ -211,7 +220,7 @@ class BatchProducer:
                     continue
             k += 1
 
-    def get(self) -> tuple[int, Any]:
+    def get(self) -> tuple[int, str, Any]:
         return self.queue.get()
 
     def close(self) -> None:
@@ -228,13 +237,27 @@ def lr_at(args: argparse.Namespace, step: int, elapsed: float) -> float:
     return args.lr * warm * (args.min_lr_ratio + (1 - args.min_lr_ratio) * cosine)
 
 
-def evaluate(model: Any, encoder: HFEncoder, examples: Sequence[VQAExample]) -> dict[str, Any]:
-    """HF accuracy report of ``model`` (switched to eval mode and back)."""
+def evaluate(model: Any, encoder: HFEncoder, examples: Sequence[VQAExample], inputs: str = "video"
+             ) -> dict[str, Any]:
+    """HF accuracy report of ``model`` on ``examples`` sent as ``inputs`` (switched to eval mode and back)."""
     was_training = model.training
     model.eval()
-    preds = predict(model, encoder, examples, batch_size=32)
+    preds = predict(model, encoder, examples, batch_size=32, inputs=inputs)
     model.train(was_training)
     return accuracy_report(examples, preds)
+
+
+def evaluate_shapes(model: Any, encoder: HFEncoder, examples: Sequence[VQAExample], shapes: Sequence[str]
+                    ) -> tuple[float, dict[str, float]]:
+    """Monitor score (mean macro accuracy over ``shapes``) and per-family accuracies (``family`` for video,
+    ``family/images`` for frames sent as images)."""
+    scores, accs = [], {}
+    for inputs in shapes:
+        report = evaluate(model, encoder, examples, inputs)
+        scores.append(report["macro"])
+        suffix = "" if inputs == "video" else f"/{inputs}"
+        accs.update({f"{f}{suffix}": v["accuracy"] for f, v in report["families"].items()})
+    return sum(scores) / len(scores), accs
 
 
 def data_description(families: Sequence[Family], geometry: VideoGeometry, args: argparse.Namespace
@@ -279,16 +302,29 @@ def heldout_eval_hf(ckpt: Path, families: Sequence[Family], args: argparse.Names
     model = Qwen2VLForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32).eval()
     encoder = HFEncoder(processor.tokenizer)
     out, predictions = {}, {}
+    cells = [(frames, "video") for frames in frame_counts]
+    if "images" in input_shapes(args):
+        cells.append((args.frames, "images"))
     with fast_vision_attention():
-        for frames in frame_counts:
+        for frames, inputs in cells:
             geometry = VideoGeometry(frames, args.size)
             exs = make_split(families, args.heldout_per_family, "heldout", geometry=geometry)
             t0 = time.time()
-            predictions[f"T{frames}"] = predict(model, encoder, exs, batch_size=32)
-            out[f"T{frames}"] = accuracy_report(exs, predictions[f"T{frames}"])
-            print(f"HF held-out T={frames} ({time.time() - t0:.0f} s):\n{format_report(out[f'T{frames}'])}",
-                  flush=True)
+            key = f"T{frames}" + ("" if inputs == "video" else f"-{inputs}")
+            predictions[key] = predict(model, encoder, exs, batch_size=32, inputs=inputs)
+            out[key] = accuracy_report(exs, predictions[key])
+            print(f"HF held-out {key} ({time.time() - t0:.0f} s):\n{format_report(out[key])}", flush=True)
     return out, predictions
+
+
+def input_shapes(args: argparse.Namespace) -> list[str]:
+    """The distinct input shapes of ``--inputs``, in order; unknown names are refused."""
+    from cords_vllm.vqa.prompt import INPUT_SHAPES
+
+    shapes = [x for x in (args.inputs or "video").split(",") if x]
+    if not shapes or set(shapes) - set(INPUT_SHAPES):
+        raise SystemExit(f"--inputs takes a comma-separated list of {INPUT_SHAPES}, got {args.inputs!r}")
+    return list(dict.fromkeys(shapes))
 
 
 def vllm_eval(ckpt: Path, families: Sequence[Family], args: argparse.Namespace) -> dict[str, Any]:
@@ -375,7 +411,9 @@ def train(args: argparse.Namespace) -> None:
     geometry = VideoGeometry(args.frames, args.size)
     monitor = make_split(families, args.monitor_per_family, "monitor", geometry=geometry)
     stages = make_stages(args, families)
-    producer = BatchProducer(stages, encoder, batch=args.batch, seed=args.seed, size=args.size)
+    shapes = input_shapes(args)
+    producer = BatchProducer(stages, encoder, batch=args.batch, seed=args.seed, size=args.size,
+                             inputs=[x for x in args.inputs.split(",") if x])
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.98))
     n_params = sum(p.numel() for p in model.parameters())
     print(f"{n_params / 1e6:.2f} M parameters; families {[f.name for f in families]}; "
@@ -396,7 +434,7 @@ def train(args: argparse.Namespace) -> None:
             elapsed = time.time() - t_start
             if (args.steps and step >= args.steps) or (not args.steps and elapsed > 60 * args.minutes):
                 break
-            frames, batch = producer.get()
+            frames, inputs, batch = producer.get()
             lr = lr_at(args, step, elapsed)
             for group in opt.param_groups:
                 group["lr"] = lr
@@ -412,12 +450,11 @@ def train(args: argparse.Namespace) -> None:
             ema_loss = loss_value if ema_loss is None else 0.95 * ema_loss + 0.05 * loss_value
             ema_acc = acc if ema_acc is None else 0.95 * ema_acc + 0.05 * acc
             rec: dict[str, Any] = {"step": step, "t": round(time.time() - t_start, 1), "frames": frames,
+                                   "inputs": inputs,
                                    "loss": round(loss_value, 4), "acc": acc, "lr": lr,
                                    "grad_norm": round(grad_norm, 3)}
             if step % args.eval_every == 0:
-                report = evaluate(model, encoder, monitor)
-                accs = {f: v["accuracy"] for f, v in report["families"].items()}
-                score = report["macro"]
+                score, accs = evaluate_shapes(model, encoder, monitor, shapes)
                 rec["monitor"] = accs
                 history.append({"step": step, "t": rec["t"], "monitor": accs})
                 if score >= best["score"]:
@@ -435,10 +472,9 @@ def train(args: argparse.Namespace) -> None:
     producer.close()
     train_seconds = time.time() - t_start
     # Final monitor evaluation of the last weights (they may beat the last periodic check).
-    report = evaluate(model, encoder, monitor)
-    if report["macro"] >= best["score"]:
-        accs = {f: v["accuracy"] for f, v in report["families"].items()}
-        best = {"score": report["macro"], "step": step, "t": round(train_seconds, 1), "monitor": accs}
+    score, accs = evaluate_shapes(model, encoder, monitor, shapes)
+    if score >= best["score"]:
+        best = {"score": score, "step": step, "t": round(train_seconds, 1), "monitor": accs}
         best_state = None
     if best_state is not None:
         model.load_state_dict(best_state)
@@ -458,8 +494,10 @@ def train(args: argparse.Namespace) -> None:
                   "init": "untrained base model (cords_vllm.vqa.build_base_model)" if args.init is None
                   else "continued from an earlier run (training.continued_from)"},
         "prompt": {"template": PROMPT_TEMPLATE,
-                   "note": "raw prompt with one <|video_pad|>; the shipped chat template renders exactly "
-                           "this for one user message [video part, text part] (default system prompt added)",
+                   "note": "raw prompt with one <|video_pad|> (frames sent as images: one "
+                           "<|vision_start|><|image_pad|><|vision_end|> per frame); the shipped chat template "
+                           "renders exactly this for one user message [video or image parts, text part] "
+                           "(default system prompt added)",
                    "answer": "one token, greedy; the answer word is the whole completion"},
         "config": {k: v for k, v in vars(args).items() if k not in ("output", "init", "eval_only", "argv")},
         "data": data_description(families, geometry, args),
@@ -487,7 +525,7 @@ def train(args: argparse.Namespace) -> None:
 def eval_only(args: argparse.Namespace) -> None:
     ckpt = Path(args.eval_only)
     record = json.loads((ckpt / TRAINING_RECORD).read_text())
-    for key in ("families", "frames", "size", "count_max", "count_decoys", "seed", "train_frames"):
+    for key in ("families", "frames", "size", "count_max", "count_decoys", "seed", "train_frames", "inputs"):
         if key in record.get("config", {}):
             setattr(args, key, record["config"][key])
     record.setdefault("config", {}).update({k: getattr(args, k) for k in (

@@ -32,17 +32,27 @@ def test_curriculum_and_weights_parse() -> None:
     assert lr[0] < lr[1] and lr[1] > lr[2] > lr[3] > 0
 
 
+def test_input_shapes_parse() -> None:
+    script = _load_script()
+    assert script.input_shapes(script.parse_args([])) == ["video"]
+    assert script.input_shapes(script.parse_args(["--inputs", "video,images,images"])) == ["video", "images"]
+    with pytest.raises(SystemExit, match="--inputs"):
+        script.input_shapes(script.parse_args(["--inputs", "video,audio"]))
+
+
 @pytest.mark.slow
 def test_training_smoke(tmp_path: Path) -> None:
     script = _load_script()
     out = tmp_path / "run"
     script.main(["--steps", "3", "--frames", "8", "--size", "56", "--batch", "4", "--eval-every", "2",
                  "--monitor-per-family", "2", "--heldout-per-family", "2", "--vllm-per-family", "2",
-                 "--test-per-family", "1", "--curriculum", "colour@8:1", "--output", str(out)])
+                 "--test-per-family", "1", "--curriculum", "colour@8:1", "--inputs", "video,images",
+                 "--output", str(out)])
     ckpt = out / "checkpoint"
     record = json.loads((ckpt / "training.json").read_text())
     assert record["training"]["steps"] == 3
     assert set(record["results"]["summary"]) == {"hf", "vllm"}
+    assert "T8-images" in record["results"]["hf"]  # frames sent as images are scored too
     assert record["results"]["vllm"]["test_split"]["per_family"] == 1
     assert (out / "checkpoint-fp32" / "model.safetensors").is_file()
     assert json.loads((ckpt / "config.json").read_text())["text_config"]["dtype"] == "bfloat16"
