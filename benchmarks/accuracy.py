@@ -20,9 +20,9 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from cords_vllm.bench.accuracy import AccuracyRun
@@ -93,8 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     for inputs in args.inputs:
         print(f"\n## {inputs}: " + ("one video input" if inputs == "video" else "every frame as its own image"))
         print_table([r for r in runs if r.inputs == inputs], specs, args.fractions)
-    if len(args.inputs) > 1:
-        print_comparison(runs, specs, args.fractions, args.inputs)
+    comparison = (compare_inputs(runs, specs, args.fractions, args.inputs, [e.answer for e in examples])
+                  if len(args.inputs) > 1 else None)
     for policy in ("cords", "recency", "uniform"):
         for run in runs:
             if run.label == policy and run.fraction == min(args.fractions, key=lambda x: abs(x - 1 / 8)):
@@ -102,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
 
     payload = {"argv": sys.argv[1:], "examples": len(examples), "frames": args.frames,
                "runs": [r.to_json() for r in runs]}
+    if comparison:
+        payload["inputs_comparison"] = comparison
     if not args.no_controls:
         # `static` questions are about the whole video (their "needle" is every frame): nothing to blank
         blanked = [blank_needles(e) for e in examples if e.needles and e.family != "static"]
@@ -153,23 +155,32 @@ def print_table(runs: list[AccuracyRun], specs: list[PolicySpec], fractions: lis
     print(f"| full KV | {100 * full.report['overall']:.1f}% ({full.effective_video_tokens:.0f}) |")
 
 
-def print_comparison(runs: list[AccuracyRun], specs: list[PolicySpec], fractions: list[float],
-                     inputs: list[str]) -> None:
-    """Markdown table: each cell's accuracy under every input shape (``video / images``) and, in parentheses,
-    the last shape's minus the first's in points (``=`` when equal)."""
-    print("\n## " + " vs ".join(inputs) + " (same questions, same share of their tokens kept)")
+def compare_inputs(runs: list[AccuracyRun], specs: list[PolicySpec], fractions: list[float], inputs: list[str],
+                   answers: Sequence[str]) -> list[dict[str, Any]]:
+    """Print a markdown table of each cell's accuracy under every input shape (``video / images``) with the last
+    shape's minus the first's in points and the exact McNemar p-value of that difference on the same questions
+    (:mod:`cords_vllm.bench.paired`); return the same comparisons as JSON rows."""
+    from cords_vllm.bench.paired import mcnemar_exact
+
+    print("\n## " + " vs ".join(inputs) + " (same questions, same share of their tokens kept; in parentheses: "
+          f"{inputs[-1]} minus {inputs[0]} in points, exact McNemar p)")
     header = "| policy | " + " | ".join(f"1/{round(1 / f)}" for f in fractions) + " |"
     print(header + "\n|" + "---|" * (len(fractions) + 1))
-    labels = ["none", *(s.label for s in specs if s.policy != "none")]
-    for label in labels:
+    rows = []
+    for label in ["none", *(s.label for s in specs if s.policy != "none")]:
         cells_row = []
         for f in ([None] if label == "none" else fractions):
-            accs = [next(r for r in runs if r.label == label and r.fraction == f and r.inputs == i).report["overall"]
-                    for i in inputs]
+            cell = [next(r for r in runs if r.label == label and r.fraction == f and r.inputs == i) for i in inputs]
+            hits = [[p.strip() == a for p, a in zip(r.predictions, answers, strict=True)] for r in cell]
+            test = mcnemar_exact(hits[0], hits[-1])
+            accs = [r.report["overall"] for r in cell]
             gap = 100 * (accs[-1] - accs[0])
-            mark = "(=)" if abs(gap) < 1e-6 else f"({gap:+.1f})"
-            cells_row.append(" / ".join(f"{100 * a:.1f}" for a in accs) + f" {mark}")
+            mark = "=" if test.discordant == 0 else f"{gap:+.1f}, p={test.p_value:.2f}"
+            cells_row.append(" / ".join(f"{100 * a:.1f}" for a in accs) + f" ({mark})")
+            rows.append({"label": label, "fraction": f, "accuracy": dict(zip(inputs, accs, strict=True)),
+                         "mcnemar": test.to_json()})
         print(f"| {'full KV' if label == 'none' else label} | " + " | ".join(cells_row) + " |")
+    return rows
 
 
 def policy_specs(args: argparse.Namespace) -> list[PolicySpec]:

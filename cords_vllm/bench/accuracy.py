@@ -35,7 +35,8 @@ class AccuracyRun:
     """One (policy, budget) cell: the accuracy report and the budget the requests really held.
 
     ``label`` names the variant (``cords:granularity=token``); ``policy`` is its registry name; ``inputs``
-    how the requests carried the video (``video``, or ``images``: every frame as its own image).
+    how the requests carried the video (``video``, or ``images``: every frame as its own image);
+    ``predictions`` the answer words in question order (for paired comparisons of cells).
     """
 
     label: str
@@ -47,6 +48,7 @@ class AccuracyRun:
     effective_video_tokens: float
     seconds: float
     inputs: str = "video"
+    predictions: list[str] = dataclasses.field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -271,7 +273,8 @@ def evaluate(checkpoint: str | Path, examples: Sequence[VQAExample], policies: S
             t0 = time.perf_counter()
             predictions, held = run_policy(checkpoint, examples, spec, budget, shape, shape_name)
             run = AccuracyRun(spec.label, spec.policy, spec.config, fraction, budget,
-                              accuracy_report(examples, predictions), held, time.perf_counter() - t0, shape_name)
+                              accuracy_report(examples, predictions), held, time.perf_counter() - t0, shape_name,
+                              list(predictions))
             runs.append(run)
             if on_cell:
                 on_cell(run)

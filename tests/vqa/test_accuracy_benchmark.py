@@ -62,5 +62,17 @@ def test_accuracy_benchmark_compares_frames_as_images_with_the_video(tmp_path: P
     assert runs[("cords", 0.25, "images")]["effective_video_tokens"] < 64 * 18 / 2
     assert runs[("none", None, "images")]["report"]["overall"] == runs[("none", None, "video")]["report"]["overall"]
     assert "| cords |" in capsys.readouterr().out.split("video vs images")[1]
+    # the same questions in both shapes, compared question by question
+    assert all(len(r["predictions"]) == payload["examples"] for r in payload["runs"])
+    rows = {(row["label"], row["fraction"]): row for row in payload["inputs_comparison"]}
+    assert set(rows) == {("none", None), ("cords", 0.25)}
+    for (label, fraction), row in rows.items():
+        video, images = (runs[(label, fraction, i)] for i in ("video", "images"))
+        assert row["accuracy"] == {"video": video["report"]["overall"], "images": images["report"]["overall"]}
+        test = row["mcnemar"]
+        assert test["n"] == payload["examples"]
+        assert (test["second_only"] - test["first_only"]) == round(
+            payload["examples"] * (images["report"]["overall"] - video["report"]["overall"]))
+        assert 0.0 < test["p_value"] <= 1.0
     for name in ("accuracy_vs_budget.png", "images/accuracy_vs_budget.png"):
         assert (tmp_path / name).stat().st_size > 10_000
