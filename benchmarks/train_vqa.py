@@ -7,8 +7,8 @@ held-out split, converted to ``--save-dtype``, saved with tokenizer, processor a
 again from the saved files (HF, fp32 compute) and, with ``--vllm-per-family``, through the real vLLM engine;
 ``training.json`` next to the weights records configuration, data description and results.
 
-Examples (the three runs that made the shipped ``cords_vllm/assets/tiny_vqa``, 38 + 36 + 25 minutes on 2
-shared CPU cores; ``training.json`` there records all three, each earlier one under ``continued_from``)::
+Examples (the four runs that made the shipped ``cords_vllm/assets/tiny_vqa``, 38 + 36 + 24 + 22 minutes on 2
+shared CPU cores; ``training.json`` there records all four, each earlier one under ``continued_from``)::
 
     python benchmarks/train_vqa.py --minutes 38 --curriculum colour@32:350 --train-frames 16,32,64 \
         --output .cache/vqa-runs/r2
@@ -17,6 +17,10 @@ shared CPU cores; ``training.json`` there records all three, each earlier one un
     # fine-tune on both request shapes: a batch is sent as one video or as one image per frame
     python benchmarks/train_vqa.py --init .cache/vqa-runs/r3/checkpoint --inputs video,images --steps 575 \
         --lr 3e-4 --warmup 10 --train-frames 16,32,64 --heldout-frames 128 --output .cache/vqa-runs/r4
+    # then weight frames as images 2:1 and count questions 2:1 (repeats in --inputs / --family-weights)
+    python benchmarks/train_vqa.py --init .cache/vqa-runs/r4/checkpoint --inputs video,images,images \
+        --family-weights count=2 --steps 450 --lr 2e-4 --warmup 10 --train-frames 16,32,64 \
+        --heldout-frames 128 --output .cache/vqa-runs/r5
 
     # re-measure a checkpoint without training (HF + vLLM), rewriting its training.json results
     python benchmarks/train_vqa.py --eval-only cords_vllm/assets/tiny_vqa
