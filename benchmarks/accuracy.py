@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from cords_vllm.bench.accuracy import AccuracyRun
     from cords_vllm.bench.workload import PolicySpec
+    from cords_vllm.vqa import VQAExample
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     for inputs in args.inputs:
         print(f"\n## {inputs}: " + ("one video input" if inputs == "video" else "every frame as its own image"))
         print_table([r for r in runs if r.inputs == inputs], specs, args.fractions)
-    comparison = (compare_inputs(runs, specs, args.fractions, args.inputs, [e.answer for e in examples])
+    comparison = (compare_inputs(runs, specs, args.fractions, args.inputs, examples)
                   if len(args.inputs) > 1 else None)
     for policy in ("cords", "recency", "uniform"):
         for run in runs:
@@ -156,11 +157,12 @@ def print_table(runs: list[AccuracyRun], specs: list[PolicySpec], fractions: lis
 
 
 def compare_inputs(runs: list[AccuracyRun], specs: list[PolicySpec], fractions: list[float], inputs: list[str],
-                   answers: Sequence[str]) -> list[dict[str, Any]]:
+                   examples: Sequence[VQAExample]) -> list[dict[str, Any]]:
     """Print a markdown table of each cell's accuracy under every input shape (``video / images``) with the last
     shape's minus the first's in points and the exact McNemar p-value of that difference on the same questions
     (:mod:`cords_vllm.bench.paired`); return the same comparisons as JSON rows."""
     from cords_vllm.bench.paired import mcnemar_exact
+    from cords_vllm.vqa import answer_hits
 
     print("\n## " + " vs ".join(inputs) + " (same questions, same share of their tokens kept; in parentheses: "
           f"{inputs[-1]} minus {inputs[0]} in points, exact McNemar p)")
@@ -171,7 +173,7 @@ def compare_inputs(runs: list[AccuracyRun], specs: list[PolicySpec], fractions: 
         cells_row = []
         for f in ([None] if label == "none" else fractions):
             cell = [next(r for r in runs if r.label == label and r.fraction == f and r.inputs == i) for i in inputs]
-            hits = [[p.strip() == a for p, a in zip(r.predictions, answers, strict=True)] for r in cell]
+            hits = [answer_hits(examples, r.predictions) for r in cell]
             test = mcnemar_exact(hits[0], hits[-1])
             accs = [r.report["overall"] for r in cell]
             gap = 100 * (accs[-1] - accs[0])

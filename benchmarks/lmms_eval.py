@@ -57,6 +57,7 @@ from cords_vllm.bench.lmms_eval import (
     server_flags,
     write_task,
 )
+from cords_vllm.vqa import answer_hits
 
 REPO = Path(__file__).resolve().parent.parent
 COMPRESSIONS = "cords_vllm_compressions_total"
@@ -113,7 +114,7 @@ def run_offline(checkpoint: Path, examples: Sequence[Any], budget: int, inputs: 
     step(f"offline engine (benchmarks/accuracy.py's run_policy), frames as {inputs}, budget {budget}")
     t0 = time.perf_counter()
     predictions, held = run_policy(checkpoint, examples, "cords", budget, EngineShape(block_size=BLOCK), inputs)
-    right = sum(p.strip() == e.answer for p, e in zip(predictions, examples, strict=True))
+    right = sum(answer_hits(examples, predictions))
     return {"run": "offline engine (ours)", "questions": len(examples), "right": right, "failed": 0,
             "accuracy": right / len(examples), "compressions_per_request": None, "input_tokens": None,
             "seconds": time.perf_counter() - t0, "predictions": predictions, "held_tokens_at_answer": held}
@@ -188,7 +189,7 @@ def run_http_chat(server: Any, examples: Sequence[Any], questions: Sequence[Task
         answers = list(pool.map(ask, range(len(questions))))
     predictions = [a for a, _ in answers]
     answered = [t for a, t in answers if a]
-    right = sum(p.strip() == q.answer for p, q in zip(predictions, questions, strict=True))
+    right = sum(answer_hits(questions, predictions))
     return {"run": "http chat (ours)", "questions": len(questions), "right": right,
             "failed": sum(not a for a in predictions), "accuracy": right / len(questions),
             "input_tokens": sum(answered) / len(answered) if answered else 0.0, "predictions": predictions}

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from cords_vllm.vqa import VQAExample
+from cords_vllm.vqa import VQAExample, answer_hits
 
 #: Name of the generated task (``--tasks``).
 TASK_NAME = "cords_vqa"
@@ -364,7 +364,7 @@ def score_samples(questions: Sequence[TaskQuestion], samples: Sequence[Sample]) 
             predictions.append("")
         else:
             predictions.append(s.response)
-    right = sum(p.strip() == q.answer for p, q in zip(predictions, questions, strict=True))
+    right = sum(answer_hits(questions, predictions))
     tokens = [s.input_tokens for s in by_id.values() if not s.failed]
     return ModeScore(len(questions), right, len(failed), tuple(predictions), tuple(failed),
                      sum(tokens) / len(tokens) if tokens else 0.0)

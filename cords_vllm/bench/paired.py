@@ -9,6 +9,7 @@ accuracies as if they came from independent samples.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from math import comb
@@ -28,8 +29,7 @@ class PairedDifference:
         return self.first_only + self.second_only
 
     def to_json(self) -> dict[str, float | int]:
-        return {"n": self.n, "first_only": self.first_only, "second_only": self.second_only,
-                "p_value": self.p_value}
+        return dataclasses.asdict(self)
 
 
 def mcnemar_exact(first: Sequence[bool], second: Sequence[bool]) -> PairedDifference:

@@ -14,7 +14,7 @@ imported on demand.
 - :mod:`~cords_vllm.vqa.serving`: ``vllm.LLM`` arguments and prediction.
 """
 
-from cords_vllm.vqa.metrics import accuracy_report, format_report
+from cords_vllm.vqa.metrics import accuracy_report, answer_hits, format_report
 from cords_vllm.vqa.model import (
     ANSWER_TOKENS,
     SHIPPED_CHECKPOINT,
@@ -61,6 +61,7 @@ __all__ = [
     "VQAExample",
     "VideoGeometry",
     "accuracy_report",
+    "answer_hits",
     "answer_vocabulary",
     "base_model_spec",
     "build_base_model",

@@ -3,9 +3,23 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from cords_vllm.vqa.tasks import VQAExample
+
+
+class Answered(Protocol):
+    """Anything with a one-word reference ``answer`` (a :class:`VQAExample`, an lmms-eval task question)."""
+
+    @property
+    def answer(self) -> str: ...
+
+
+def answer_hits(examples: Sequence[Answered], predictions: Sequence[str]) -> list[bool]:
+    """Whether each prediction is its example's answer (exact match, whitespace stripped); same order."""
+    if len(examples) != len(predictions):
+        raise ValueError(f"{len(examples)} examples but {len(predictions)} predictions")
+    return [p.strip() == e.answer for e, p in zip(examples, predictions, strict=True)]
 
 
 def _rate(hits: Sequence[bool]) -> float | None:
@@ -26,9 +40,7 @@ def accuracy_report(examples: Sequence[VQAExample], predictions: Sequence[str], 
     examples without needles (``count`` with answer ``"0"``) and ``static`` ones (their needle spans the
     whole video) are left out of the bins.
     """
-    if len(examples) != len(predictions):
-        raise ValueError(f"{len(examples)} examples but {len(predictions)} predictions")
-    hits = [p.strip() == e.answer for e, p in zip(examples, predictions, strict=True)]
+    hits = answer_hits(examples, predictions)
     families: dict[str, Any] = {}
     for name in dict.fromkeys(e.family for e in examples):
         rows = [i for i, e in enumerate(examples) if e.family == name]
