@@ -19,13 +19,18 @@ follows where vLLM reads ``/metrics``:
   counters, which in such a process live in that directory's per-process files; every API server sums the
   same files and reports the same totals.
 
-Exported counters: ``cords_vllm_compressions_total``, ``cords_vllm_evicted_tokens_total``,
-``cords_vllm_kept_tokens_total`` (video tokens kept by compressions) and ``cords_vllm_selection_seconds_total``.
+Exported counters (:data:`METRICS`, summed over producers): ``cords_vllm_compressions_total``,
+``cords_vllm_evicted_tokens_total``, ``cords_vllm_kept_tokens_total`` (video tokens kept by compressions) and
+``cords_vllm_selection_seconds_total``. Exported high-water marks (:data:`PEAKS`, gauges, the largest value any
+producer has reached): ``cords_vllm_request_kv_blocks_peak``, the most paged KV blocks one request has held at
+once, under any policy (``none`` too): the figure that shows whether KV per stream stays bounded, which a
+poller of ``vllm:kv_cache_usage_perc`` can miss between two scrapes.
 """
 
 from __future__ import annotations
 
 import atexit
+import itertools
 import json
 import os
 import shutil
@@ -49,6 +54,11 @@ METRICS: dict[str, str] = {
     "kept_tokens": "Video tokens kept by KV policy compressions",
     "selection_seconds": "Seconds spent selecting which tokens to keep",
 }
+#: High-water marks: only ever raised (:meth:`CounterSink.raise_to`); ``/metrics`` shows the largest over producers.
+PEAKS: dict[str, str] = {
+    "request_kv_blocks_peak": "Most paged KV blocks one request has held at once since start (after a step's "
+                              "allocations, before its frees), under any KV policy",
+}
 
 T = TypeVar("T")
 
@@ -56,6 +66,7 @@ _collector_registered = False
 _live_sinks: weakref.WeakSet[CounterSink] = weakref.WeakSet()
 _mp_counters: dict[str, Any] | None = None
 _mp_lock = threading.Lock()
+_sink_numbers = itertools.count()
 
 
 def metrics_dir(create: bool = True) -> Path | None:
@@ -70,18 +81,21 @@ def metrics_dir(create: bool = True) -> Path | None:
 
 
 class CounterSink:
-    """One producer's running totals (e.g. a scheduler, a worker rank), published off the hot path.
+    """One producer's running totals and high-water marks (e.g. a scheduler, a worker rank), published off the
+    hot path.
 
-    :meth:`add` only updates memory and, on the first change after a publication, starts a daemon
-    :class:`threading.Timer` that calls :meth:`flush` ``interval`` seconds later; changes in between are
-    published together. :meth:`flush` publishes now (tests, exit).
+    :meth:`add` and :meth:`raise_to` only update memory and, on the first change after a publication, start a
+    daemon :class:`threading.Timer` that calls :meth:`flush` ``interval`` seconds later; changes in between are
+    published together. :meth:`flush` publishes now (tests, exit). Each sink has its own file, so several
+    engines in one process (an offline benchmark comparing policies) do not overwrite each other's figures.
     """
 
     def __init__(self, producer: str, interval: float = PUBLISH_INTERVAL_S) -> None:
         directory = metrics_dir()
-        self.path = directory / f"{producer}-{os.getpid()}.json" if directory else None
+        name = f"{producer}-{os.getpid()}-{next(_sink_numbers)}.json"
+        self.path = directory / name if directory else None
         self.interval = interval
-        self.totals = dict.fromkeys(METRICS, 0.0)
+        self.totals = dict.fromkeys([*METRICS, *PEAKS], 0.0)
         self._lock = threading.Lock()
         self._publishing = threading.Lock()
         self._timer: threading.Timer | None = None
@@ -97,10 +111,27 @@ class CounterSink:
         with self._lock:
             for name, value in increments.items():
                 self.totals[name] += value
-            if self._timer is None:
-                self._timer = threading.Timer(self.interval, self.flush)
-                self._timer.daemon = True
-                self._timer.start()
+            self._schedule_flush()
+
+    def raise_to(self, **values: float) -> None:
+        """Raise high-water marks of :data:`PEAKS` to ``values`` where higher (in memory only, like :meth:`add`)."""
+        unknown = set(values) - set(PEAKS)
+        if unknown:
+            raise KeyError(f"unknown KV policy high-water marks {sorted(unknown)}")
+        with self._lock:
+            changed = False
+            for name, value in values.items():
+                if value > self.totals[name]:
+                    self.totals[name], changed = value, True
+            if changed:
+                self._schedule_flush()
+
+    def _schedule_flush(self) -> None:
+        """Start the publication timer unless one is pending (caller holds ``_lock``)."""
+        if self._timer is None:
+            self._timer = threading.Timer(self.interval, self.flush)
+            self._timer.daemon = True
+            self._timer.start()
 
     def flush(self) -> None:
         """Publish the current totals now (skipped when unchanged since the last publication)."""
@@ -117,7 +148,10 @@ class CounterSink:
             if counters is not None:
                 for name, total in totals.items():
                     if total > published[name]:
-                        counters[name].inc(total - published[name])
+                        if name in PEAKS:
+                            counters[name].set(total)
+                        else:
+                            counters[name].inc(total - published[name])
             if self.path is not None and self.path.parent.is_dir():
                 tmp = self.path.with_suffix(".tmp")
                 tmp.write_text(json.dumps(totals))
@@ -131,9 +165,10 @@ def _flush_at_exit() -> None:
 
 
 def read_totals(directory: Path | None = None) -> dict[str, float]:
-    """Sum of every producer's published totals."""
+    """Every producer's published figures: counters (:data:`METRICS`) summed, high-water marks (:data:`PEAKS`)
+    the largest."""
     directory = directory or metrics_dir(create=False)
-    totals = dict.fromkeys(METRICS, 0.0)
+    totals = dict.fromkeys([*METRICS, *PEAKS], 0.0)
     if directory is None or not directory.is_dir():
         return totals
     for file in directory.glob("*.json"):
@@ -143,18 +178,22 @@ def read_totals(directory: Path | None = None) -> dict[str, float]:
             continue  # being replaced right now: the next scrape reads it
         for name in METRICS:
             totals[name] += float(values.get(name, 0.0))
+        for name in PEAKS:
+            totals[name] = max(totals[name], float(values.get(name, 0.0)))
     return totals
 
 
 class PolicyCollector:
-    """``prometheus_client`` collector exporting :func:`read_totals` as counters."""
+    """``prometheus_client`` collector exporting :func:`read_totals`: counters and high-water-mark gauges."""
 
     def collect(self):
-        from prometheus_client.core import CounterMetricFamily
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         totals = read_totals()
         for name, help_text in METRICS.items():
             yield CounterMetricFamily(f"cords_vllm_{name}", help_text, value=totals[name])
+        for name, help_text in PEAKS.items():
+            yield GaugeMetricFamily(f"cords_vllm_{name}", help_text, value=totals[name])
 
 
 def await_published(scrape: Callable[[], T], ready: Callable[[T], bool],
@@ -187,19 +226,22 @@ def register_collector() -> None:
 
 
 def _multiprocess_counters() -> dict[str, Any] | None:
-    """This process's ``prometheus_client`` counters in ``PROMETHEUS_MULTIPROC_DIR``, or ``None`` when unset.
+    """This process's ``prometheus_client`` metrics in ``PROMETHEUS_MULTIPROC_DIR``, or ``None`` when unset.
 
-    ``prometheus_client`` keeps one file per process and metric type there, shared by every counter of the
-    process, so these are ordinary ``Counter`` objects (not registered anywhere: vLLM's multiprocess
-    collector reads the files).
+    ``prometheus_client`` keeps one file per process and metric type there, shared by every metric of the
+    process, so these are ordinary ``Counter`` and ``Gauge`` objects (not registered anywhere: vLLM's
+    multiprocess collector reads the files). High-water marks are gauges in ``max`` mode: the collector shows
+    the largest value any process (live or not) has set.
     """
     global _mp_counters
     if not os.environ.get(MULTIPROC_ENV):
         return None
     with _mp_lock:
         if _mp_counters is None:
-            from prometheus_client import Counter
+            from prometheus_client import Counter, Gauge
 
             _mp_counters = {name: Counter(f"cords_vllm_{name}", help_text, registry=None)
                             for name, help_text in METRICS.items()}
+            _mp_counters.update({name: Gauge(f"cords_vllm_{name}", help_text, registry=None, multiprocess_mode="max")
+                                 for name, help_text in PEAKS.items()})
         return _mp_counters

@@ -41,11 +41,12 @@ def scheduler_hooks(scheduler: Any) -> SchedulerHooks:
     hooks = attached(scheduler, _MISSING)
     if hooks is _MISSING:
         from cords_vllm.engine.held_kv import HeldKVPublisher
+        from cords_vllm.engine.peak_kv import PeakHeldBlocks
         from cords_vllm.engine.scheduler import SchedulerCompressor
 
         policy = policy_of(scheduler.vllm_config)
         compressor = SchedulerCompressor(policy, scheduler) if policy else None
-        hooks = SchedulerHooks(compressor, [HeldKVPublisher(compressor)])
+        hooks = SchedulerHooks(compressor, [HeldKVPublisher(compressor), PeakHeldBlocks(compressor)])
         attach(scheduler, hooks)
         attach(scheduler.kv_cache_manager, hooks.compressor)
     return hooks

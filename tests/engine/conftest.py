@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import json
 import os
 from dataclasses import dataclass
 
@@ -37,6 +38,8 @@ class EngineRun:
     max_running: int
     num_preemptions: int
     compressions: int
+    #: ``cords_vllm_request_kv_blocks_peak`` as the engine published it (its sink's file, read back).
+    published_peak: float
 
 
 def video(frames: int = 32, seed: int = 3) -> np.ndarray:
@@ -69,10 +72,21 @@ def run_engine(model: str, prompts: list[dict], policy: str = "none", max_tokens
         max_running=steps.peak_running,
         num_preemptions=steps.preemptions,
         compressions=state.compressions,
+        published_peak=_published_peak(llm),
     )
     del llm
     gc.collect()
     return run
+
+
+def _published_peak(llm) -> float:
+    from cords_vllm.engine.patches import scheduler_hooks
+    from cords_vllm.engine.peak_kv import METRIC, PeakHeldBlocks
+    from cords_vllm.introspect import scheduler_of
+
+    observer = next(o for o in scheduler_hooks(scheduler_of(llm)).observers if isinstance(o, PeakHeldBlocks))
+    observer.sink.flush()
+    return json.loads(observer.sink.path.read_text())[METRIC]
 
 
 def chunks_for(prompt_len: int, evictions: dict) -> list[int]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from cords_vllm.compress.plan import BudgetSettings, compressed_footprint_blocks
 from cords_vllm.utils import cdiv
 from tests.engine.conftest import BLOCK, VIDEO_PROMPT, run_engine, video
 
@@ -35,8 +36,14 @@ def test_eight_videos_run_concurrently_under_cords_but_not_none(tiny_model):
     assert cords.max_running >= 6, cords.max_running
     assert cords.num_preemptions == 0
     assert cords.free_blocks_after == cords.free_blocks_before
+    # the server's high-water mark is the most any request held (recorded here after every step)
+    assert cords.published_peak == max(cords.max_blocks_held.values())
+    assert cords.published_peak <= compressed_footprint_blocks(2063 + 4, FRAMES * 32, BudgetSettings(256, 64, 64),
+                                                               BLOCK)
     none = run_engine(tiny_model, prompts, "none", max_tokens=4, engine_kwargs=kwargs)
     assert all(len(t) == 4 for t in none.token_ids)
     # uncompressed, at most two fit: the others wait, or are admitted and then preempted
     assert none.max_running <= 2 or none.num_preemptions > 0, (none.max_running, none.num_preemptions)
     assert none.free_blocks_after == none.free_blocks_before
+    assert none.published_peak == max(none.max_blocks_held.values())
+    assert cdiv(2063, BLOCK) <= none.published_peak <= cdiv(2063 + 4, BLOCK)  # the whole prompt and its answer

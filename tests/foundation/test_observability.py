@@ -38,9 +38,28 @@ def test_add_does_no_file_io_and_flush_publishes(metrics_dir, monkeypatch):
     assert list(metrics_dir.iterdir()) == []
     sink.flush()
     assert read_totals(metrics_dir) == {"compressions": 100, "evicted_tokens": 1000, "kept_tokens": 400,
-                                        "selection_seconds": 50}
+                                        "selection_seconds": 50, "request_kv_blocks_peak": 0}
     with pytest.raises(KeyError, match="bogus"):
         sink.add(bogus=1)
+    with pytest.raises(KeyError, match="request_kv_blocks_peak"):
+        sink.add(request_kv_blocks_peak=1)  # a high-water mark is raised, never added to
+    with pytest.raises(KeyError, match="compressions"):
+        sink.raise_to(compressions=1)
+
+
+def test_high_water_marks_only_rise_and_show_the_largest_producer(metrics_dir):
+    first, second = CounterSink("scheduler", interval=60.0), CounterSink("scheduler", interval=60.0)
+    for value in (5, 3, 9, 7):
+        first.raise_to(request_kv_blocks_peak=value)
+    second.raise_to(request_kv_blocks_peak=4)
+    second.add(compressions=2)
+    first.add(compressions=1)
+    first.flush()
+    second.flush()
+    # two sinks of one producer name in one process (two engines) keep separate files
+    assert len(list(metrics_dir.glob("*.json"))) == 2
+    assert read_totals(metrics_dir)["request_kv_blocks_peak"] == 9
+    assert read_totals(metrics_dir)["compressions"] == 3
 
 
 def test_changes_are_published_within_the_interval(metrics_dir):
@@ -52,17 +71,20 @@ def test_changes_are_published_within_the_interval(metrics_dir):
         assert time.monotonic() < deadline, "counters were not published"
         time.sleep(0.02)
     assert read_totals(metrics_dir) == {"compressions": 2, "evicted_tokens": 0, "kept_tokens": 0,
-                                        "selection_seconds": 0.25}
+                                        "selection_seconds": 0.25, "request_kv_blocks_peak": 0}
     assert sorted(p.suffix for p in metrics_dir.iterdir()) == [".json", ".json"]
 
 
 PRODUCER = """
+import os
 from cords_vllm.observability import CounterSink
 sink = CounterSink("worker", interval=60.0)
 sink.add(compressions=1, evicted_tokens=7)
 sink.add(compressions=2)
+sink.raise_to(request_kv_blocks_peak=int(os.environ["PEAK"]) - 1)
 sink.flush()
 sink.add(compressions=1)  # published by the flush at exit
+sink.raise_to(request_kv_blocks_peak=int(os.environ["PEAK"]))
 """
 
 
@@ -75,14 +97,15 @@ def test_several_api_servers_read_the_counters_from_prometheus_multiprocess_file
     prom = tmp_path / "prometheus"
     prom.mkdir()
     env = {**os.environ, observability.MULTIPROC_ENV: str(prom), observability.DIR_ENV: str(tmp_path)}
-    for _ in range(2):  # two producer processes (e.g. two engine cores)
-        subprocess.run([sys.executable, "-c", PRODUCER], env=env, check=True, timeout=120)
+    for peak in (11, 6):  # two producer processes (e.g. two engine cores)
+        subprocess.run([sys.executable, "-c", PRODUCER], env={**env, "PEAK": str(peak)}, check=True, timeout=120)
     registry = CollectorRegistry()
     multiprocess.MultiProcessCollector(registry, path=str(prom))
     text = generate_latest(registry).decode()
     assert "cords_vllm_compressions_total 8.0" in text
     assert "cords_vllm_evicted_tokens_total 14.0" in text
     assert "cords_vllm_kept_tokens_total 0.0" in text
+    assert "cords_vllm_request_kv_blocks_peak 11.0" in text  # the largest over processes, not their sum
 
 
 class _Records(logging.Handler):
