@@ -53,6 +53,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inputs", nargs="+", choices=["video", "images"], default=["video"],
                    help="oneshot mode: how requests carry the video: one video input, and/or every frame as its own "
                         "image (as lmms-eval and VLMEvalKit send it); with both, a table compares them cell by cell")
+    p.add_argument("--equal", choices=["frames", "kv"], default="frames",
+                   help="with several --inputs, what the shapes share at a budget: the same share of their frames "
+                        "(each budget a fraction of that shape's own tokens; images then hold twice the KV), or "
+                        "the same KV (each budget a fraction of the first shape's tokens)")
     p.add_argument("--no-controls", action="store_true")
     p.add_argument("--mode", choices=["oneshot", "stream"], default="oneshot",
                    help="oneshot: one request per question; stream: video pushed into a session, question mid-stream")
@@ -89,12 +93,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{geometry.num_video_tokens} video tokens each; checkpoint {checkpoint.name}", flush=True)
     runs = with_progress(specs, args.fractions,
                          lambda report: evaluate(checkpoint, examples, specs, args.fractions, shape, on_cell=report,
-                                                 inputs=args.inputs), repeats=len(args.inputs))
+                                                 inputs=args.inputs, equal=args.equal), repeats=len(args.inputs))
 
     for inputs in args.inputs:
         print(f"\n## {inputs}: " + ("one video input" if inputs == "video" else "every frame as its own image"))
         print_table([r for r in runs if r.inputs == inputs], specs, args.fractions)
-    comparison = (compare_inputs(runs, specs, args.fractions, args.inputs, examples)
+    comparison = (compare_inputs(runs, specs, args.fractions, args.inputs, examples, args.equal)
                   if len(args.inputs) > 1 else None)
     for policy in ("cords", "recency", "uniform"):
         for run in runs:
@@ -157,14 +161,18 @@ def print_table(runs: list[AccuracyRun], specs: list[PolicySpec], fractions: lis
 
 
 def compare_inputs(runs: list[AccuracyRun], specs: list[PolicySpec], fractions: list[float], inputs: list[str],
-                   examples: Sequence[VQAExample]) -> list[dict[str, Any]]:
+                   examples: Sequence[VQAExample], equal: str = "frames") -> list[dict[str, Any]]:
     """Print a markdown table of each cell's accuracy under every input shape (``video / images``) with the last
     shape's minus the first's in points and the exact McNemar p-value of that difference on the same questions
-    (:mod:`cords_vllm.bench.paired`); return the same comparisons as JSON rows."""
+    (:mod:`cords_vllm.bench.paired`); return the same comparisons as JSON rows. ``equal``: what the shapes'
+    budgets share (see :func:`cords_vllm.bench.accuracy.evaluate`); budgets are fractions of the first shape's
+    tokens under ``"kv"``."""
     from cords_vllm.bench.paired import mcnemar_exact
     from cords_vllm.vqa import answer_hits
 
-    print("\n## " + " vs ".join(inputs) + " (same questions, same share of their tokens kept; in parentheses: "
+    shared = ("same share of their frames kept" if equal == "frames"
+              else f"same KV held, budgets fractions of the {inputs[0]}'s tokens")
+    print("\n## " + " vs ".join(inputs) + f" (same questions, {shared}; in parentheses: "
           f"{inputs[-1]} minus {inputs[0]} in points, exact McNemar p)")
     header = "| policy | " + " | ".join(f"1/{round(1 / f)}" for f in fractions) + " |"
     print(header + "\n|" + "---|" * (len(fractions) + 1))
@@ -179,8 +187,9 @@ def compare_inputs(runs: list[AccuracyRun], specs: list[PolicySpec], fractions: 
             gap = 100 * (accs[-1] - accs[0])
             mark = "=" if test.discordant == 0 else f"{gap:+.1f}, p={test.p_value:.2f}"
             cells_row.append(" / ".join(f"{100 * a:.1f}" for a in accs) + f" ({mark})")
-            rows.append({"label": label, "fraction": f, "accuracy": dict(zip(inputs, accs, strict=True)),
-                         "mcnemar": test.to_json()})
+            rows.append({"label": label, "fraction": f, "equal": equal,
+                         "budget": dict(zip(inputs, (r.budget for r in cell), strict=True)),
+                         "accuracy": dict(zip(inputs, accs, strict=True)), "mcnemar": test.to_json()})
         print(f"| {'full KV' if label == 'none' else label} | " + " | ".join(cells_row) + " |")
     return rows
 

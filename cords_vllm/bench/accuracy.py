@@ -253,19 +253,26 @@ def budget_cells(policies: Sequence[PolicySpec | str], fractions: Sequence[float
 
 def evaluate(checkpoint: str | Path, examples: Sequence[VQAExample], policies: Sequence[PolicySpec | str],
              fractions: Sequence[float], shape: EngineShape,
-             on_cell: Callable[[AccuracyRun], None] | None = None, inputs: Sequence[str] = ("video",)
-             ) -> list[AccuracyRun]:
+             on_cell: Callable[[AccuracyRun], None] | None = None, inputs: Sequence[str] = ("video",),
+             equal: str = "frames") -> list[AccuracyRun]:
     """Full KV once, then every (policy, fraction) cell, for each input shape in ``inputs``.
 
-    A budget is a fraction of the tokens the video occupies in the request
-    (:func:`~cords_vllm.vqa.serving.candidate_tokens`), so every input shape keeps the same share of its
-    frames: frames sent as images occupy twice the tokens of the same frames sent as a video (an image is one
-    frame, a video token covers a two-frame patch), and so hold twice the KV at the same fraction.
+    Frames sent as images occupy about twice the tokens of the same frames sent as a video (an image is one
+    frame, a video token covers a two-frame patch), so shapes can be compared two ways (``equal``):
+
+    * ``"frames"``: a budget is a fraction of the tokens the video occupies in that shape's request
+      (:func:`~cords_vllm.vqa.serving.candidate_tokens`); every shape keeps the same share of its frames, and
+      images hold twice the KV.
+    * ``"kv"``: a budget is a fraction of the tokens of the first shape in ``inputs``; every shape holds the
+      same KV, and images keep half the share of their frames.
     """
     from cords_vllm.vqa.serving import candidate_tokens
 
+    if equal not in ("frames", "kv"):
+        raise ValueError(f"equal must be 'frames' or 'kv', got {equal!r}")
     runs = []
-    per_shape = {name: budget_cells(policies, fractions, candidate_tokens(examples[0].geometry, name),
+    per_shape = {name: budget_cells(policies, fractions,
+                                    candidate_tokens(examples[0].geometry, name if equal == "frames" else inputs[0]),
                                     shape.block_size) for name in inputs}
     for i in range(len(per_shape[inputs[0]])):
         for shape_name in inputs:

@@ -47,10 +47,12 @@ def test_accuracy_benchmark_reports_cells_controls_and_plots(tmp_path: Path) -> 
         assert (tmp_path / name).stat().st_size > 10_000
 
 
-def test_accuracy_benchmark_compares_frames_as_images_with_the_video(tmp_path: Path, capsys) -> None:
+@pytest.mark.parametrize("equal", ["frames", "kv"])
+def test_accuracy_benchmark_compares_frames_as_images_with_the_video(tmp_path: Path, capsys, equal: str) -> None:
     script = _load_script()
     rc = script.main(["--families", "colour", "static", "--per-family", "2", "--fractions", "0.25",
-                      "--policies", "cords", "--inputs", "video", "images", "--no-controls", "--out", str(tmp_path)])
+                      "--policies", "cords", "--inputs", "video", "images", "--equal", equal, "--no-controls",
+                      "--out", str(tmp_path)])
     assert rc == 0
     payload = json.loads((tmp_path / "results.json").read_text())
     runs = {(r["label"], r["fraction"], r["inputs"]): r for r in payload["runs"]}
@@ -58,7 +60,12 @@ def test_accuracy_benchmark_compares_frames_as_images_with_the_video(tmp_path: P
                          for inputs in ("video", "images")}
     # 64 frames as 64 images: 16 tokens and two vision markers each, all of them candidates
     assert runs[("none", None, "images")]["effective_video_tokens"] == 64 * 18
-    assert runs[("cords", 0.25, "images")]["budget"] == round(0.25 * 64 * 18)
+    video_candidates = 32 * 16 + 2  # 32 two-frame patches of 16 tokens, and the video's two markers
+    if equal == "frames":  # each shape keeps a quarter of its own tokens
+        assert runs[("cords", 0.25, "images")]["budget"] == round(0.25 * 64 * 18)
+    else:  # both hold the video's quarter
+        assert runs[("cords", 0.25, "images")]["budget"] == round(0.25 * video_candidates)
+    assert runs[("cords", 0.25, "video")]["budget"] == round(0.25 * video_candidates)
     assert runs[("cords", 0.25, "images")]["effective_video_tokens"] < 64 * 18 / 2
     assert runs[("none", None, "images")]["report"]["overall"] == runs[("none", None, "video")]["report"]["overall"]
     assert "| cords |" in capsys.readouterr().out.split("video vs images")[1]
@@ -68,6 +75,7 @@ def test_accuracy_benchmark_compares_frames_as_images_with_the_video(tmp_path: P
     assert set(rows) == {("none", None), ("cords", 0.25)}
     for (label, fraction), row in rows.items():
         video, images = (runs[(label, fraction, i)] for i in ("video", "images"))
+        assert row["equal"] == equal and row["budget"] == {"video": video["budget"], "images": images["budget"]}
         assert row["accuracy"] == {"video": video["report"]["overall"], "images": images["report"]["overall"]}
         test = row["mcnemar"]
         assert test["n"] == payload["examples"]
