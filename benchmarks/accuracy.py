@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         evaluate,
         oracle_predictions,
         plot_accuracy,
+        plot_inputs_comparison,
         run_policy,
     )
     from cords_vllm.metrics.coverage import max_cdf_gap
@@ -135,6 +136,10 @@ def main(argv: list[str] | None = None) -> int:
     for inputs in args.inputs:
         paths += plot_accuracy([r for r in runs if r.inputs == inputs], args.out if inputs == "video" else
                                args.out / inputs)
+    if comparison:
+        shared = "same share of their frames" if args.equal == "frames" else "same KV held"
+        paths.append(plot_inputs_comparison(comparison, args.out / "inputs_comparison.png",
+                                            title=" vs ".join(args.inputs) + f": same questions, {shared}"))
     title = f"Coverage on the trained model's keys/values (budget 1/{round(1 / fraction)})"
     paths.append(plot_coverage_cdfs(curves, args.out / "coverage_cdf.png", reference=("cords", "infinipot_v"),
                                     title=title))

@@ -240,6 +240,53 @@ def plot_accuracy(runs: Sequence[AccuracyRun], out: Path) -> list[Path]:
     return paths
 
 
+def plot_inputs_comparison(rows: Sequence[dict[str, Any]], path: Path, title: str | None = None) -> Path:
+    """Paired bars per policy, one panel per budget: each input shape's accuracy on the same questions, the
+    exact McNemar p-value of their difference above each pair.
+
+    ``rows``: the comparison rows of the accuracy benchmark (``label``, ``fraction``, ``accuracy`` by shape,
+    ``mcnemar``); full KV (``fraction`` ``None``) is drawn as a dashed line per shape in every panel.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    inputs = list(rows[0]["accuracy"])
+    full = next((r for r in rows if r["fraction"] is None), None)
+    fractions = sorted({r["fraction"] for r in rows if r["fraction"] is not None}, reverse=True)
+    labels = list(dict.fromkeys(r["label"] for r in rows if r["fraction"] is not None))
+    fig, axes = plt.subplots(1, len(fractions), figsize=(1.6 * len(labels) * len(fractions) + 1.5, 4.5),
+                             sharey=True, squeeze=False)
+    width = 0.8 / len(inputs)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, fraction in zip(axes[0], fractions, strict=True):
+        for i, shape in enumerate(inputs):
+            cells = [next(r for r in rows if r["label"] == label and r["fraction"] == fraction) for label in labels]
+            ax.bar(np.arange(len(labels)) + i * width, [100 * c["accuracy"][shape] for c in cells], width,
+                   label=shape, color=colours[i])
+            if full is not None:
+                ax.axhline(100 * full["accuracy"][shape], color=colours[i], linestyle="--", linewidth=1)
+        for j, label in enumerate(labels):
+            cell = next(r for r in rows if r["label"] == label and r["fraction"] == fraction)
+            top = 100 * max(cell["accuracy"].values())
+            p_value = cell["mcnemar"]["p_value"]
+            ax.text(j + width * (len(inputs) - 1) / 2, top + 1.5, "p<0.01" if p_value < 0.01 else f"p={p_value:.2f}",
+                    ha="center", fontsize=8)
+        ax.set_xticks(np.arange(len(labels)) + width * (len(inputs) - 1) / 2, labels)
+        ax.set_ylim(0, 110)
+        ax.set_title(f"budget 1/{round(1 / fraction)}")
+    axes[0][0].set_ylabel("accuracy (%)  (dashed: full KV)")
+    axes[0][-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
 def budget_cells(policies: Sequence[PolicySpec | str], fractions: Sequence[float], video_tokens: int,
                  block_size: int) -> list[tuple[PolicySpec, float | None, int | None]]:
     """``(policy, fraction, budget)`` of every cell: full KV once, then each policy at each fraction of the

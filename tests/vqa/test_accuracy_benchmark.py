@@ -82,5 +82,5 @@ def test_accuracy_benchmark_compares_frames_as_images_with_the_video(tmp_path: P
         assert (test["second_only"] - test["first_only"]) == round(
             payload["examples"] * (images["report"]["overall"] - video["report"]["overall"]))
         assert 0.0 < test["p_value"] <= 1.0
-    for name in ("accuracy_vs_budget.png", "images/accuracy_vs_budget.png"):
+    for name in ("accuracy_vs_budget.png", "images/accuracy_vs_budget.png", "inputs_comparison.png"):
         assert (tmp_path / name).stat().st_size > 10_000
