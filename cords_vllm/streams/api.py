@@ -42,6 +42,7 @@ from cords_vllm.streams.frames import (
 )
 from cords_vllm.streams.live import LiveStream, StreamEnded
 from cords_vllm.streams.registry import StreamNotFound, StreamRegistry, TooManyStreams
+from cords_vllm.streams.text_budget import TextRoomExceeded
 
 STATE_KEY = "cords_vllm_streams"
 router = APIRouter(prefix="/v1/streams", tags=["streams (cords-vllm)"])
@@ -102,6 +103,11 @@ class StreamObject(BaseModel):
     expires_in_seconds: float | None
     kv_policy: dict[str, Any]
     footprint_blocks: int = Field(description="the most KV blocks this stream can ever hold (admission)")
+    text_tokens: int = Field(description="protected (never evicted) tokens the stream holds: its text, "
+                                         "questions and kept answers")
+    max_text_tokens: int | None = Field(description="the most protected tokens it may hold (kv_policy_config "
+                                                    "'max_text_tokens'); a push or question that could pass it "
+                                                    "is refused with a 409; null: not checked")
     kv: KVHeld | None = Field(description="KV held now (published by the engine at most ~0.5 s ago); null "
                                           "before the engine has seen the stream")
     metadata: dict[str, str]
@@ -186,6 +192,7 @@ def describe(registry: StreamRegistry, stream: LiveStream, held: dict[str, Any] 
         idle_seconds=round(idle, 3),
         expires_in_seconds=None if stream.busy else round(max(0.0, registry.limits.idle_timeout_s - idle), 3),
         kv_policy=registry.policy_of(stream), footprint_blocks=stream.footprint_blocks,
+        text_tokens=stream.text.held, max_text_tokens=stream.text.limit,
         kv=None if kv is None or stream.ended else KVHeld(blocks=kv.blocks, tokens=kv.tokens,
                                                           stream_tokens=kv.stream_tokens,
                                                           block_size=registry.block_size),
@@ -197,7 +204,9 @@ def describe(registry: StreamRegistry, stream: LiveStream, held: dict[str, Any] 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"description": text} for code, text in (
         (400, "invalid input; `error.param` names the field"), (401, "missing or wrong API key"),
-        (404, "no such stream"), (410, "the stream has ended (`error.message` says why)"),
+        (404, "no such stream"),
+        (409, "the push or question could take the stream past its max_text_tokens: refused, the stream is "
+              "unchanged"), (410, "the stream has ended (`error.message` says why)"),
         (429, "the cap on open streams is reached, or the KV pool is committed to the open streams"))}
 
 
@@ -264,6 +273,9 @@ async def append_frames(request: Request, stream_id: str) -> Any:
         sent = await stream.append(frames)
     except StreamEnded as exc:
         raise APIError(410, f"stream {stream_id!r} has ended: {exc}", "stream_id") from None
+    except TextRoomExceeded as exc:
+        raise APIError(409, f"stream {stream_id!r}: {exc}. Nothing was appended; the stream can take no more "
+                            f"frames after this answer: open a new stream", "stream_id") from None
     return AppendFramesResponse(stream=describe(registry, stream), frames_received=len(frames), frames_sent=sent,
                                 seconds=round(time.perf_counter() - t0, 4))
 
@@ -371,6 +383,9 @@ async def ask(request: Request, stream_id: str, body: AskRequest) -> Any:
                                 seed=body.seed)
     except StreamEnded as exc:
         raise APIError(410, f"stream {stream_id!r} has ended: {exc}", "stream_id") from None
+    except TextRoomExceeded as exc:
+        raise APIError(409, f"stream {stream_id!r}: {exc}. Nothing was asked and the stream is unchanged: ask "
+                            f"a shorter question, lower max_tokens, or open a new stream", "question") from None
     completion_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
     if body.stream:

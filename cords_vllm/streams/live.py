@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from cords_vllm.streams.text_budget import TextBudget, TextRoomExceeded
 from cords_vllm.streams.transcript import Transcript
 
 #: Frames per temporal patch of the Qwen-VL video encoders: a clip holds an even number of frames.
@@ -95,10 +97,16 @@ class LiveStream:
         The request id given to the engine (the engine's own id adds a suffix).
     extra_args:
         ``SamplingParams.extra_args`` of every turn (e.g. the stream's KV policy overrides).
+    text, count_text:
+        The stream's protected-token account and ``text -> protected tokens`` of a turn's prompt: a turn that
+        would take the stream past ``text.limit`` is refused (:class:`~cords_vllm.streams.text_budget.
+        TextRoomExceeded`) before the engine sees it, leaving the stream unchanged. ``count_text=None``: no
+        check (the engine still enforces its own limit).
     """
 
     def __init__(self, engine: Any, stream_id: str | None = None, *, extra_args: dict[str, Any] | None = None,
-                 metadata: dict[str, Any] | None = None) -> None:
+                 metadata: dict[str, Any] | None = None, text: TextBudget | None = None,
+                 count_text: Callable[[str], int] | None = None) -> None:
         self.engine = engine
         self.id = stream_id or f"stream-{uuid.uuid4().hex[:16]}"
         self.extra_args = extra_args or None
@@ -107,6 +115,8 @@ class LiveStream:
         self.last_active = time.monotonic()
         self.stats = StreamStats()
         self.transcript = Transcript()
+        self.text = text or TextBudget(None)
+        self.count_text = count_text
         self.ended: str | None = None
         #: The most KV blocks the stream can hold (set by the registry when it admits the stream).
         self.footprint_blocks = 0
@@ -148,6 +158,7 @@ class LiveStream:
                     turn.put(completion.text if completion else "", list(completion.token_ids) if completion else [],
                              finish)
                     if finish is not None:
+                        self.text.finish(len(turn.result.token_ids))
                         self._turn = None
                         self.last_active = time.monotonic()
                 if output.finished:
@@ -165,8 +176,14 @@ class LiveStream:
                 self._turn = None
 
     # ----------------------------------------------------------------------------------------------
-    async def run_turn(self, prompt: dict[str, Any], params: Any) -> Turn:
-        """Queue one turn once the previous one has ended; returns it (read it with :meth:`Turn.deltas`)."""
+    async def run_turn(self, build: Callable[[Transcript], dict[str, Any]], params: Any, what: str) -> Turn:
+        """Queue one turn once the previous one has ended; returns it (read it with :meth:`Turn.deltas`).
+
+        ``build`` gives the turn's prompt (``{"prompt": text, ...}``) from the conversation as it stands then,
+        advancing the transcript it is given; ``what`` names the turn in a refusal. Raises
+        :class:`~cords_vllm.streams.text_budget.TextRoomExceeded` (nothing sent, the stream unchanged) when the
+        turn could take the stream past its text limit, :class:`StreamEnded` when the stream has ended.
+        """
         async with self._slot:
             if self._turn is not None:
                 await self._turn.done.wait()
@@ -174,6 +191,11 @@ class LiveStream:
                 raise StreamEnded(self.ended)
             from vllm.engine.protocol import StreamingInput
 
+            transcript = dataclasses.replace(self.transcript)
+            prompt = build(transcript)
+            if self.count_text is not None:
+                self.text.admit(self.count_text(prompt["prompt"]), params.max_tokens, what)
+            self.transcript = transcript
             turn = self._turn = Turn()
             self.last_active = time.monotonic()
             if self._pump is None:
@@ -185,25 +207,32 @@ class LiveStream:
         """Append ``frames`` (``[T, H, W, 3]`` uint8) and wait until the engine has prefilled them.
 
         An odd trailing frame waits for the next push (a clip holds whole temporal patches); returns the
-        frames this push sent to the engine.
+        frames this push sent to the engine. A push refused for text room
+        (:class:`~cords_vllm.streams.text_budget.TextRoomExceeded`) leaves the stream as it was.
         """
-        self.stats.frames += len(frames)
-        if self.pending_frames is not None:
-            if self.pending_frames.shape[1:] == frames.shape[1:]:
-                frames = np.concatenate([self.pending_frames, frames])
+        received, pending = len(frames), self.pending_frames
+        if pending is not None:
+            if pending.shape[1:] == frames.shape[1:]:
+                frames = np.concatenate([pending, frames])
             else:  # a new frame size: the held-back frame completes its own clip
-                await self._append_clip(np.concatenate([self.pending_frames, self.pending_frames]))
+                await self._append_clip(np.concatenate([pending, pending]))
+                pending = None
             self.pending_frames = None
         whole = len(frames) - len(frames) % TEMPORAL_PATCH
         if whole < len(frames):
             self.pending_frames = frames[whole:]
         if whole:
-            await self._append_clip(frames[:whole])
+            try:
+                await self._append_clip(frames[:whole])
+            except TextRoomExceeded:
+                self.pending_frames = pending  # the push is refused whole: the stream is as it was
+                raise
+        self.stats.frames += received
         return whole
 
     async def _append_clip(self, clip: np.ndarray) -> None:
-        prompt = {"prompt": self.transcript.clip(), "multi_modal_data": {"video": clip}}
-        turn = await self.run_turn(prompt, self.params(1))
+        turn = await self.run_turn(lambda t: {"prompt": t.clip(), "multi_modal_data": {"video": clip}},
+                                   self.params(1), "appending frames")
         await turn.wait()
         self.stats.clips += 1
 
@@ -212,10 +241,15 @@ class LiveStream:
         """Ask ``question`` about everything streamed so far; returns the answering turn."""
         if self.pending_frames is not None:  # a held-back odd frame is shown before the question
             pending, self.pending_frames = self.pending_frames, None
-            await self._append_clip(np.concatenate([pending, pending]))
+            try:
+                await self._append_clip(np.concatenate([pending, pending]))
+            except TextRoomExceeded:
+                self.pending_frames = pending
+                raise
+        turn = await self.run_turn(lambda t: {"prompt": t.question(question)},
+                                   self.params(max_tokens, temperature, seed), "the question")
         self.stats.questions += 1
-        return await self.run_turn({"prompt": self.transcript.question(question)},
-                                   self.params(max_tokens, temperature, seed))
+        return turn
 
     async def close(self, reason: str = "closed") -> None:
         """End the stream: the engine frees its KV blocks. A running turn is aborted with it."""

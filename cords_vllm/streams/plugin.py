@@ -70,13 +70,33 @@ class StreamsPlugin:
                                   policy=KVPolicyConfig.from_vllm_config(vllm_config), model_name=model,
                                   block_size=vllm_config.cache_config.block_size,
                                   pool_blocks=num_blocks - 1 if num_blocks else None,  # block 0 is the null block
-                                  max_model_len=vllm_config.model_config.max_model_len)
+                                  max_model_len=vllm_config.model_config.max_model_len,
+                                  count_text=_text_counter(engine_client, vllm_config.model_config))
         setattr(state, STATE_KEY, registry)
         capacity = registry.capacity()
         logger.info("cords-vllm: stream API on /v1/streams: idle timeout %g s; a stream holds at most %d KV "
                     "blocks, so %d streams fit the pool of %s blocks (--kv-stream-max-open %d)",
                     registry.limits.idle_timeout_s, capacity["stream_footprint_blocks"], capacity["max_streams"],
                     capacity["pool_blocks"], registry.limits.max_streams)
+
+
+def _text_counter(engine_client: Any, model_config: Any) -> Callable[[str], int] | None:
+    """``text -> protected tokens`` of a stream turn's prompt with the served model's tokenizer: every token
+    but ``<|video_pad|>`` and the vision markers, which the engine evicts with the clip (``None`` without a
+    tokenizer or those tokens: the engine alone enforces the text limit)."""
+    from cords_vllm.streams.text_budget import protected_token_counter
+
+    hf = model_config.hf_config
+    ids = [getattr(hf, name, None) for name in ("video_token_id", "vision_start_token_id", "vision_end_token_id")]
+    try:
+        tokenizer = engine_client.get_tokenizer()
+    except Exception:  # e.g. --skip-tokenizer-init
+        tokenizer = None
+    if tokenizer is None or None in ids:
+        logger.warning("cords-vllm: no tokenizer or vision token ids: streams past max_text_tokens are ended by "
+                       "the engine instead of refused")
+        return None
+    return protected_token_counter(lambda text: tokenizer.encode(text, add_special_tokens=False), ids)
 
 
 def _make_attach(original: Callable) -> Callable:

@@ -12,12 +12,14 @@ import asyncio
 import contextlib
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from cords_vllm.compress.plan import BudgetSettings, stream_footprint_blocks
 from cords_vllm.config import REQUEST_OVERRIDES_KEY, KVPolicyConfig, KVPolicyConfigError
 from cords_vllm.streams.live import LiveStream
+from cords_vllm.streams.text_budget import TextBudget
 
 logger = logging.getLogger(__name__)
 
@@ -71,13 +73,18 @@ class StreamRegistry:
     past the pool is refused (429), instead of being admitted and stalling every stream once the pool is full
     (vLLM does not preempt sessions that wait for their next input). So the pool is never over-committed and
     a router can place streams by :meth:`capacity`.
+
+    **Text.** Under a policy that evicts video, ``count_text`` (``text -> protected tokens`` of a turn's
+    prompt, see :func:`~cords_vllm.streams.text_budget.protected_token_counter`) lets each stream refuse a
+    turn that would take it past ``max_text_tokens`` before the engine would end it; ``None`` leaves that to
+    the engine.
     """
 
     overrides_key = REQUEST_OVERRIDES_KEY
 
     def __init__(self, engine: Any, limits: StreamLimits, *, policy: KVPolicyConfig | None = None,
                  model_name: str = "", block_size: int = 16, pool_blocks: int | None = None,
-                 max_model_len: int = 1 << 30) -> None:
+                 max_model_len: int = 1 << 30, count_text: Callable[[str], int] | None = None) -> None:
         self.engine = engine
         self.limits = limits
         self.policy = policy or KVPolicyConfig()
@@ -85,6 +92,7 @@ class StreamRegistry:
         self.block_size = block_size
         self.pool_blocks = pool_blocks
         self.max_model_len = max_model_len
+        self.count_text = count_text
         self.streams: dict[str, LiveStream] = {}
         self.expired = 0
         #: Why recently removed streams went (bounded), so a late client is told "expired", not "unknown".
@@ -98,6 +106,13 @@ class StreamRegistry:
         policy = self.policy.narrowed(overrides)
         return stream_footprint_blocks(policy.text_limit(self.max_model_len),
                                        BudgetSettings(policy.budget, policy.recent, policy.slack), self.block_size)
+
+    def text_limit(self, overrides: dict[str, Any] | None = None) -> int | None:
+        """The protected tokens a stream may hold, checked before each turn; ``None``: not checked here
+        (``none`` evicts nothing, and a policy whose ``modalities`` leave out video protects the clips too)."""
+        if not self.policy.enabled or self.count_text is None or "video" not in self.policy.modalities:
+            return None
+        return self.policy.narrowed(overrides).text_limit(self.max_model_len)
 
     def committed_blocks(self) -> int:
         """Blocks the open streams may hold at most, together."""
@@ -124,7 +139,9 @@ class StreamRegistry:
                 f"the KV pool ({self.pool_blocks} blocks) is committed to {len(self.streams)} open streams "
                 f"({committed} blocks at most); a new stream may hold up to {footprint} blocks. Close a stream, "
                 f"wait for one to expire, or open one with a smaller kv_policy budget")
+        limit = self.text_limit(overrides)
         stream = LiveStream(self.engine, extra_args={REQUEST_OVERRIDES_KEY: overrides} if overrides else None,
+                            text=TextBudget(limit), count_text=self.count_text if limit is not None else None,
                             **kwargs)
         stream.footprint_blocks = footprint
         self.streams[stream.id] = stream

@@ -240,6 +240,58 @@ def test_client_vanishing_mid_answer_loses_nothing(server, client):
     assert wait_until(lambda: pool_empty(server))
 
 
+def test_a_turn_past_max_text_tokens_is_refused_and_the_stream_lives(server, client):
+    """Questions and answers are never evicted: a question or push that could pass the server's
+    max_text_tokens (256) gets a 409 and leaves the stream as it was; one that fills it exactly is served.
+    The API server's count must equal the engine's: one token short and the engine would end the stream."""
+    from transformers import AutoTokenizer
+
+    from cords_vllm.streams.transcript import ASSISTANT, END, SYSTEM, USER
+
+    tokenizer = AutoTokenizer.from_pretrained(shipped_checkpoint())
+
+    def tokens(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    with client.open() as stream:
+        stream.append(clip(8, seed=1))
+        info = stream.refresh()
+        held = tokens(SYSTEM + USER)
+        assert (info["text_tokens"], info["max_text_tokens"]) == (held, 256)
+
+        with pytest.raises(StreamAPIError) as err:
+            stream.ask("Which color came first?" + " red" * 300, max_tokens=2)
+        assert (err.value.status, err.value.param) == (409, "question")
+        assert "max_text_tokens" in err.value.message and f"{256 - held} left" in err.value.message
+        with pytest.raises(StreamAPIError) as err:  # short, but its answer might not fit
+            stream.ask("What color was the square?", max_tokens=256 - held)
+        assert err.value.status == 409
+        info = stream.refresh()
+        assert (info["status"], info["questions"], info["text_tokens"]) == ("idle", 0, held)
+
+        question = "What color was the square?"
+        answer = client.request("POST", f"/v1/streams/{stream.id}/ask", {"question": question, "max_tokens": 3})
+        held += tokens(question + END + ASSISTANT) + answer["usage"]["completion_tokens"] - 1
+        assert stream.refresh()["text_tokens"] == held
+
+        # a question of exactly the room left (one token generated, none kept) is served, and fills the stream
+        room = 256 - held
+        filler = next(q for k in range(400) if tokens(END + USER + (q := question + " red" * k) + END + ASSISTANT)
+                      == room)
+        answer = client.request("POST", f"/v1/streams/{stream.id}/ask", {"question": filler, "max_tokens": 1})
+        assert answer["choices"][0]["finish_reason"] == "length"
+        info = stream.refresh()
+        assert (info["status"], info["questions"], info["text_tokens"]) == ("idle", 2, 256)
+
+        with pytest.raises(StreamAPIError) as err:  # a push after an answer opens a user message: no room
+            stream.append(clip(4, seed=2)[:3])
+        assert (err.value.status, err.value.param) == (409, "stream_id")
+        info = stream.refresh()
+        assert (info["status"], info["frames"], info["pending_frames"]) == ("idle", 8, 0)
+        assert info["ended_reason"] is None
+        assert wait_until(lambda: stream.refresh()["kv"] is not None)  # the engine still holds the stream's KV
+
+
 def test_a_closed_stream_says_so(client):
     with client.open() as stream:
         stream.append(clip(4, seed=1))
