@@ -254,21 +254,21 @@ def plot_inputs_comparison(rows: Sequence[dict[str, Any]], path: Path, title: st
 
     inputs = list(rows[0]["accuracy"])
     full = next((r for r in rows if r["fraction"] is None), None)
-    fractions = sorted({r["fraction"] for r in rows if r["fraction"] is not None}, reverse=True)
-    labels = list(dict.fromkeys(r["label"] for r in rows if r["fraction"] is not None))
+    by_cell = {(r["label"], r["fraction"]): r for r in rows if r["fraction"] is not None}
+    fractions = sorted({fraction for _, fraction in by_cell}, reverse=True)
+    labels = list(dict.fromkeys(label for label, _ in by_cell))
     fig, axes = plt.subplots(1, len(fractions), figsize=(1.6 * len(labels) * len(fractions) + 1.5, 4.5),
                              sharey=True, squeeze=False)
     width = 0.8 / len(inputs)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, fraction in zip(axes[0], fractions, strict=True):
+        cells = [by_cell[(label, fraction)] for label in labels]
         for i, shape in enumerate(inputs):
-            cells = [next(r for r in rows if r["label"] == label and r["fraction"] == fraction) for label in labels]
             ax.bar(np.arange(len(labels)) + i * width, [100 * c["accuracy"][shape] for c in cells], width,
                    label=shape, color=colours[i])
             if full is not None:
                 ax.axhline(100 * full["accuracy"][shape], color=colours[i], linestyle="--", linewidth=1)
-        for j, label in enumerate(labels):
-            cell = next(r for r in rows if r["label"] == label and r["fraction"] == fraction)
+        for j, cell in enumerate(cells):
             top = 100 * max(cell["accuracy"].values())
             p_value = cell["mcnemar"]["p_value"]
             ax.text(j + width * (len(inputs) - 1) / 2, top + 1.5, "p<0.01" if p_value < 0.01 else f"p={p_value:.2f}",

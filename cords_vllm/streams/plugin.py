@@ -82,21 +82,23 @@ class StreamsPlugin:
 
 def _text_counter(engine_client: Any, model_config: Any) -> Callable[[str], int] | None:
     """``text -> protected tokens`` of a stream turn's prompt with the served model's tokenizer: every token
-    but ``<|video_pad|>`` and the vision markers, which the engine evicts with the clip (``None`` without a
-    tokenizer or those tokens: the engine alone enforces the text limit)."""
+    but ``<|video_pad|>`` and the vision markers the engine evicts with the clip (the same
+    :func:`~cords_vllm.engine.scheduler.marker_token_ids`); ``None`` without a tokenizer or a video token id:
+    the engine alone enforces the text limit."""
+    from cords_vllm.engine.scheduler import marker_token_ids
     from cords_vllm.streams.text_budget import protected_token_counter
 
-    hf = model_config.hf_config
-    ids = [getattr(hf, name, None) for name in ("video_token_id", "vision_start_token_id", "vision_end_token_id")]
+    video_token = getattr(model_config.hf_config, "video_token_id", None)
     try:
         tokenizer = engine_client.get_tokenizer()
     except Exception:  # e.g. --skip-tokenizer-init
         tokenizer = None
-    if tokenizer is None or None in ids:
-        logger.warning("cords-vllm: no tokenizer or vision token ids: streams past max_text_tokens are ended by "
+    if tokenizer is None or video_token is None:
+        logger.warning("cords-vllm: no tokenizer or video token id: streams past max_text_tokens are ended by "
                        "the engine instead of refused")
         return None
-    return protected_token_counter(lambda text: tokenizer.encode(text, add_special_tokens=False), ids)
+    return protected_token_counter(lambda text: tokenizer.encode(text, add_special_tokens=False),
+                                   marker_token_ids(model_config) | {video_token})
 
 
 def _make_attach(original: Callable) -> Callable:
