@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml scripts/setup-env.sh
 setup: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m cords_vllm.demo
+	$(PY) -m cords_vllm.lab.demo
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -10,7 +10,7 @@ question family and needle position, the effective budget each cell really held,
 uniform on the model's real keys/values. Writes results.json and PNG plots to --out.
 
 ``--mode stream`` pushes each video into an engine session in clips of ``--push-frames`` frames and asks its
-question ``--delay-pushes`` pushes after the needle (:mod:`cords_vllm.bench.stream_accuracy`); it reports the
+question ``--delay-pushes`` pushes after the needle (:mod:`cords_vllm.lab.bench.stream_accuracy`); it reports the
 same table (the video tokens held when answering in parentheses) and writes stream_results.json and the plots.
 """
 
@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from cords_vllm.bench.accuracy import AccuracyRun
-    from cords_vllm.bench.workload import PolicySpec
-    from cords_vllm.vqa import VQAExample
+    from cords_vllm.lab.bench.accuracy import AccuracyRun
+    from cords_vllm.lab.bench.workload import PolicySpec
+    from cords_vllm.lab.vqa import VQAExample
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -35,8 +35,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
 def main(argv: list[str] | None = None) -> int:
+    from cords_vllm.lab.vqa import FAMILIES, VideoGeometry, get_family, make_split, shipped_checkpoint
     from cords_vllm.selection import available_selectors
-    from cords_vllm.vqa import FAMILIES, VideoGeometry, get_family, make_split, shipped_checkpoint
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", default=None, help="default: the shipped trained model")
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out = args.out or Path("benchmarks/out/accuracy")
 
 
-    from cords_vllm.bench.accuracy import (
+    from cords_vllm.lab.bench.accuracy import (
         EngineShape,
         blank_needles,
         coverage_on_model,
@@ -81,9 +81,9 @@ def main(argv: list[str] | None = None) -> int:
         plot_inputs_comparison,
         run_policy,
     )
-    from cords_vllm.metrics.coverage import max_cdf_gap
-    from cords_vllm.metrics.plot import plot_coverage_cdfs
-    from cords_vllm.vqa import accuracy_report, format_report
+    from cords_vllm.lab.fidelity.coverage import max_cdf_gap
+    from cords_vllm.lab.fidelity.plot import plot_coverage_cdfs
+    from cords_vllm.lab.vqa import accuracy_report, format_report
 
     checkpoint = Path(args.checkpoint) if args.checkpoint else shipped_checkpoint()
     geometry = VideoGeometry(num_frames=args.frames)
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def print_table(runs: list[AccuracyRun], specs: list[PolicySpec], fractions: list[float]) -> None:
     """Full KV's report, then the markdown table: accuracy (video tokens held when answering) per policy x budget."""
-    from cords_vllm.vqa import format_report
+    from cords_vllm.lab.vqa import format_report
 
     full = runs[0]
     print(f"\nfull KV: {format_report(full.report)}")
@@ -169,11 +169,11 @@ def compare_inputs(runs: list[AccuracyRun], specs: list[PolicySpec], fractions: 
                    examples: Sequence[VQAExample], equal: str = "frames") -> list[dict[str, Any]]:
     """Print a markdown table of each cell's accuracy under every input shape (``video / images``) with the last
     shape's minus the first's in points and the exact McNemar p-value of that difference on the same questions
-    (:mod:`cords_vllm.bench.paired`); return the same comparisons as JSON rows. ``equal``: what the shapes'
-    budgets share (see :func:`cords_vllm.bench.accuracy.evaluate`); budgets are fractions of the first shape's
+    (:mod:`cords_vllm.lab.bench.paired`); return the same comparisons as JSON rows. ``equal``: what the shapes'
+    budgets share (see :func:`cords_vllm.lab.bench.accuracy.evaluate`); budgets are fractions of the first shape's
     tokens under ``"kv"``."""
-    from cords_vllm.bench.paired import mcnemar_exact
-    from cords_vllm.vqa import answer_hits
+    from cords_vllm.lab.bench.paired import mcnemar_exact
+    from cords_vllm.lab.vqa import answer_hits
 
     shared = ("same share of their frames kept" if equal == "frames"
               else f"same KV held, budgets fractions of the {inputs[0]}'s tokens")
@@ -201,7 +201,7 @@ def compare_inputs(runs: list[AccuracyRun], specs: list[PolicySpec], fractions: 
 
 def policy_specs(args: argparse.Namespace) -> list[PolicySpec]:
     r"""``--policies`` as ``PolicySpec``\ s, with ``--granularity`` as every policy's default."""
-    from cords_vllm.bench.workload import PolicySpec
+    from cords_vllm.lab.bench.workload import PolicySpec
 
     defaults = {"granularity": args.granularity} if args.granularity else {}
     return [PolicySpec.parse(text, defaults) for text in args.policies]
@@ -225,9 +225,9 @@ def with_progress(specs: list[PolicySpec], fractions: list[float],
 def stream_mode(args: argparse.Namespace) -> int:
     """``--mode stream``: every policy x budget on live streams (questions mid-stream), table and plots."""
 
-    from cords_vllm.bench.accuracy import EngineShape, plot_accuracy
-    from cords_vllm.bench.stream_accuracy import evaluate_streams, plan_stream
-    from cords_vllm.vqa import VideoGeometry, format_report, make_split, shipped_checkpoint
+    from cords_vllm.lab.bench.accuracy import EngineShape, plot_accuracy
+    from cords_vllm.lab.bench.stream_accuracy import evaluate_streams, plan_stream
+    from cords_vllm.lab.vqa import VideoGeometry, format_report, make_split, shipped_checkpoint
 
     checkpoint = Path(args.checkpoint) if args.checkpoint else shipped_checkpoint()
     out = args.out or Path("benchmarks/out/accuracy_stream")

@@ -8,7 +8,7 @@ from the video-QA generator's test split (mp4 files, a JSON Lines dataset and a 
 serves the shipped tiny Qwen2-VL with ``--kv-policy cords`` and runs lmms-eval's OpenAI chat model against
 it in each mode: ``images``, frames decoded by lmms-eval and sent as ``image_url`` parts (its default);
 ``images_fixed``, the same with lmms-eval's frame cache fixed (``FRAME_CACHE_FIX`` in
-``cords_vllm/bench/lmms_eval.py``: as released, lmms-eval 0.7.3 sends some frames as copies of earlier
+``cords_vllm/lab/bench/lmms_eval.py``: as released, lmms-eval 0.7.3 sends some frames as copies of earlier
 ones); ``video_url``, ``pass_video_url=True`` (the server reads and decodes the mp4). A mode is judged by
 lmms-eval's logged samples, never by its exit status (0 even when every request failed). One server per way
 of carrying the video (images, video) serves its modes.
@@ -43,7 +43,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # quiet in-process engin
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from cords_vllm.bench.lmms_eval import (
+from cords_vllm.lab.bench.lmms_eval import (
     MODES,
     LocalTask,
     Mode,
@@ -57,7 +57,7 @@ from cords_vllm.bench.lmms_eval import (
     server_flags,
     write_task,
 )
-from cords_vllm.vqa import answer_hits
+from cords_vllm.lab.vqa import answer_hits
 
 REPO = Path(__file__).resolve().parent.parent
 COMPRESSIONS = "cords_vllm_compressions_total"
@@ -68,7 +68,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--per-family", type=int, default=8, help="test questions per family (default: %(default)s)")
     p.add_argument("--families", nargs="+", default=["colour", "order", "count", "static"])
-    p.add_argument("--split", default="test", help="evaluation split of cords_vllm.vqa (default: %(default)s)")
+    p.add_argument("--split", default="test", help="evaluation split of cords_vllm.lab.vqa (default: %(default)s)")
     p.add_argument("--frames", type=int, default=64, help="frames per video; the model was trained on 64")
     p.add_argument("--fraction", type=float, default=0.25,
                    help="cords budget as a fraction of the tokens the video occupies (default: %(default)s)")
@@ -109,7 +109,7 @@ def decoded(example: Any, video: str) -> Any:
 
 def run_offline(checkpoint: Path, examples: Sequence[Any], budget: int, inputs: str) -> dict[str, Any]:
     """``benchmarks/accuracy.py``'s cell: the in-process engine, cords at ``budget`` with slack 0."""
-    from cords_vllm.bench.accuracy import EngineShape, run_policy
+    from cords_vllm.lab.bench.accuracy import EngineShape, run_policy
 
     step(f"offline engine (benchmarks/accuracy.py's run_policy), frames as {inputs}, budget {budget}")
     t0 = time.perf_counter()
@@ -122,8 +122,8 @@ def run_offline(checkpoint: Path, examples: Sequence[Any], budget: int, inputs: 
 
 def compressions(server: Any) -> float:
     """The server's compression counter now (published at most ~0.5 s after a change: wait that long)."""
-    from cords_vllm.bench.http import scrape
-    from cords_vllm.observability import PUBLISH_INTERVAL_S
+    from cords_vllm.integration.published import PUBLISH_INTERVAL_S
+    from cords_vllm.lab.bench.http import scrape
 
     time.sleep(2 * PUBLISH_INTERVAL_S)
     return scrape(server.base_url).get(COMPRESSIONS, 0.0)
@@ -160,10 +160,10 @@ def run_lmms_eval(python: Path, task: LocalTask, server: Any, mode: Mode, args: 
 
 
 def chat_content(example: Any, question: TaskQuestion, inputs: str) -> list[dict[str, Any]]:
-    """This project's chat messages for one question (:func:`cords_vllm.vqa.chat_messages`, the trained
+    """This project's chat messages for one question (:func:`cords_vllm.lab.vqa.chat_messages`, the trained
     prompt): the mp4 as a data URL video part, or the decoded frames as PNG image parts."""
     from cords_vllm.client import frame_data_url
-    from cords_vllm.vqa import chat_messages
+    from cords_vllm.lab.vqa import chat_messages
 
     if inputs == "video":
         url = "data:video/mp4;base64," + base64.b64encode(Path(question.video).read_bytes()).decode()
@@ -199,8 +199,8 @@ def run_shape(inputs: str, modes: Sequence[Mode], python: Path, checkpoint: Path
               examples: Sequence[Any], args: argparse.Namespace) -> list[dict[str, Any]]:
     """For one way of carrying the video (``video`` or ``images``): the offline reference, then one server
     for every lmms-eval mode of that shape, then this project's chat requests to the same server."""
-    from cords_vllm.serving.process import VLLMServer
-    from cords_vllm.vqa.serving import candidate_tokens
+    from cords_vllm.lab.serving.process import VLLMServer
+    from cords_vllm.lab.vqa.serving import candidate_tokens
 
     budget = max(BLOCK, round(args.fraction * candidate_tokens(examples[0].geometry, inputs)))
     rows = [] if args.no_offline else [run_offline(checkpoint, examples, budget, inputs)]
@@ -254,7 +254,7 @@ def agreement(rows: list[dict[str, Any]], run: str, other: str) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from cords_vllm.vqa import VideoGeometry, make_split, shipped_checkpoint
+    from cords_vllm.lab.vqa import VideoGeometry, make_split, shipped_checkpoint
 
     args = parse_args(argv)
     t_start = time.perf_counter()

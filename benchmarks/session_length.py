@@ -22,9 +22,9 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from cords_vllm.bench.report import write_json
-from cords_vllm.bench.sessions import PushRecord, plot_runs, run_session, summary
-from cords_vllm.bench.workload import PolicySpec
+from cords_vllm.lab.bench.report import write_json
+from cords_vllm.lab.bench.sessions import PushRecord, plot_runs, run_session, summary
+from cords_vllm.lab.bench.workload import PolicySpec
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from tqdm import tqdm
 
-    from cords_vllm.synthetic import TinyModelSpec, build_tiny_qwen2vl, video_tokens
+    from cords_vllm.lab.synthetic import TinyModelSpec, build_tiny_qwen2vl, video_tokens
 
     model = build_tiny_qwen2vl(TinyModelSpec())
     clip_tokens = video_tokens(args.clip_frames, args.size, args.size)

@@ -13,7 +13,7 @@ p50/p90 by stream age, peak KV blocks per stream, preemptions, the ratio against
 and pool blocks / per-stream footprint. Writes results.json and PNG plots (KV per stream over time, TTFT
 vs age) to --out.
 
-``--soak MINUTES`` instead runs :mod:`cords_vllm.bench.soak` against one ``--soak-policy`` server: streams
+``--soak MINUTES`` instead runs :mod:`cords_vllm.lab.bench.soak` against one ``--soak-policy`` server: streams
 opened, fed and closed at random with clients vanishing mid-push and mid-answer, then checks 0 server
 errors, every block back, and RSS drift after warm-up.
 """
@@ -65,8 +65,8 @@ def _demo_args(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def cameras_for(n: int, args: argparse.Namespace, rng: random.Random) -> list:
-    from cords_vllm.bench.live import Camera, Question
-    from cords_vllm.vqa import VideoGeometry, make_split
+    from cords_vllm.lab.bench.live import Camera, Question
+    from cords_vllm.lab.vqa import VideoGeometry, make_split
 
     families = ("colour", "order", "count", "static")
     geometry = VideoGeometry(num_frames=args.frames, size=args.size)
@@ -84,12 +84,12 @@ def cameras_for(n: int, args: argparse.Namespace, rng: random.Random) -> list:
 def scale(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from cords_vllm.bench.http import num_gpu_blocks
-    from cords_vllm.bench.live import plot_kv_per_stream, run_cameras
     from cords_vllm.client import StreamClient
-    from cords_vllm.demo import serve_args
-    from cords_vllm.serving.process import VLLMServer
-    from cords_vllm.vqa import shipped_checkpoint
+    from cords_vllm.lab.bench.http import num_gpu_blocks
+    from cords_vllm.lab.bench.live import plot_kv_per_stream, run_cameras
+    from cords_vllm.lab.demo import serve_args
+    from cords_vllm.lab.serving.process import VLLMServer
+    from cords_vllm.lab.vqa import shipped_checkpoint
 
     model_dir = shipped_checkpoint()
     rng = random.Random(args.seed)
@@ -207,12 +207,12 @@ def plot_ttft_vs_age(results: dict[str, dict], path: Path) -> None:
 
 
 def soak(args: argparse.Namespace) -> int:
-    from cords_vllm.bench.http import num_gpu_blocks
-    from cords_vllm.bench.soak import run_soak
-    from cords_vllm.demo import serve_args
-    from cords_vllm.serving.process import VLLMServer
-    from cords_vllm.synthetic import make_video
-    from cords_vllm.vqa import shipped_checkpoint
+    from cords_vllm.lab.bench.http import num_gpu_blocks
+    from cords_vllm.lab.bench.soak import run_soak
+    from cords_vllm.lab.demo import serve_args
+    from cords_vllm.lab.serving.process import VLLMServer
+    from cords_vllm.lab.synthetic import make_video
+    from cords_vllm.lab.vqa import shipped_checkpoint
 
     model_dir = shipped_checkpoint()
     idle = 10.0

@@ -23,8 +23,8 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from cords_vllm.bench.report import RATIO_COLUMNS, format_table, plot_results, ratios, write_json
-from cords_vllm.bench.workload import PolicySpec, VideoWorkload
+from cords_vllm.lab.bench.report import RATIO_COLUMNS, format_table, plot_results, ratios, write_json
+from cords_vllm.lab.bench.workload import PolicySpec, VideoWorkload
 
 
 def _default_policies() -> list[str]:
@@ -72,13 +72,13 @@ def main(argv: list[str] | None = None) -> int:
           f"{f'Poisson {args.rate:.2f}/s' if args.rate else 'all at once'}; machine: {_machine()}", flush=True)
     results = []
     if args.mode == "http":
-        from cords_vllm.bench.http import run_http
+        from cords_vllm.lab.bench.http import run_http
 
         with tqdm(total=args.requests, desc=args.label, unit="req") as bar:
             results.append(run_http(args.url, args.label, workload, on_progress=bar.update))
     else:
-        from cords_vllm.bench.offline import EngineSettings, run_offline
-        from cords_vllm.synthetic import TinyModelSpec, build_tiny_qwen2vl
+        from cords_vllm.lab.bench.offline import EngineSettings, run_offline
+        from cords_vllm.lab.synthetic import TinyModelSpec, build_tiny_qwen2vl
 
         max_pixels = max(224 * 224, args.size * args.size)
         model = build_tiny_qwen2vl(TinyModelSpec(max_pixels=max_pixels))

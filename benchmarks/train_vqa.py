@@ -1,4 +1,4 @@
-"""Train the tiny Qwen2-VL on the synthetic needle-video QA task (:mod:`cords_vllm.vqa`), CPU-friendly.
+"""Train the tiny Qwen2-VL on the synthetic needle-video QA task (:mod:`cords_vllm.lab.vqa`), CPU-friendly.
 
 Teacher forcing on the one answer token (cross-entropy over the whole vocabulary at the last prompt token),
 AdamW, linear warm-up then cosine decay, fixed seed. Every ``--eval-every`` steps the model is scored on a
@@ -7,7 +7,7 @@ held-out split, converted to ``--save-dtype``, saved with tokenizer, processor a
 again from the saved files (HF, fp32 compute) and, with ``--vllm-per-family``, through the real vLLM engine;
 ``training.json`` next to the weights records configuration, data description and results.
 
-Examples (the four runs that made the shipped ``cords_vllm/assets/tiny_vqa``, 38 + 36 + 24 + 22 minutes on 2
+Examples (the four runs that made the shipped ``cords_vllm/lab/assets/tiny_vqa``, 38 + 36 + 24 + 22 minutes on 2
 shared CPU cores; ``training.json`` there records all four, each earlier one under ``continued_from``)::
 
     python benchmarks/train_vqa.py --minutes 38 --curriculum colour@32:350 --train-frames 16,32,64 \
@@ -23,7 +23,7 @@ shared CPU cores; ``training.json`` there records all four, each earlier one und
         --heldout-frames 128 --output .cache/vqa-runs/r5
 
     # re-measure a checkpoint without training (HF + vLLM), rewriting its training.json results
-    python benchmarks/train_vqa.py --eval-only cords_vllm/assets/tiny_vqa
+    python benchmarks/train_vqa.py --eval-only cords_vllm/lab/assets/tiny_vqa
 
 Run with ``HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1``; nothing is downloaded.
 """
@@ -54,7 +54,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from cords_vllm.vqa import (
+from cords_vllm.lab.vqa import (
     PROMPT_TEMPLATE,
     SPLIT_SEEDS,
     CountFamily,
@@ -70,8 +70,8 @@ from cords_vllm.vqa import (
     make_example,
     make_split,
 )
-from cords_vllm.vqa.hf import HFEncoder, answer_logits, fast_vision_attention, predict
-from cords_vllm.vqa.model import TRAINING_RECORD
+from cords_vllm.lab.vqa.hf import HFEncoder, answer_logits, fast_vision_attention, predict
+from cords_vllm.lab.vqa.model import TRAINING_RECORD
 
 DEFAULT_FAMILIES = "colour,order,count,static"
 
@@ -266,7 +266,7 @@ def evaluate_shapes(model: Any, encoder: HFEncoder, examples: Sequence[VQAExampl
 
 def data_description(families: Sequence[Family], geometry: VideoGeometry, args: argparse.Namespace
                      ) -> dict[str, Any]:
-    """Git-independent description of the task data (enough to regenerate it with :mod:`cords_vllm.vqa`)."""
+    """Git-independent description of the task data (enough to regenerate it with :mod:`cords_vllm.lab.vqa`)."""
     fams = {}
     for f in families:
         entry: dict[str, Any] = {"question": f.question, "answers": list(f.answers()),
@@ -275,7 +275,7 @@ def data_description(families: Sequence[Family], geometry: VideoGeometry, args: 
             entry["params"] = dataclasses.asdict(f)
         fams[f.name] = entry
     return {
-        "generator": "cords_vllm.vqa.tasks.make_example(family, index, seed=seed, geometry=geometry)",
+        "generator": "cords_vllm.lab.vqa.tasks.make_example(family, index, seed=seed, geometry=geometry)",
         "video": {"frames": geometry.num_frames, "size": geometry.size,
                   "video_tokens": geometry.num_video_tokens,
                   "train_frames": csv_ints(args.train_frames, args.frames),
@@ -323,7 +323,7 @@ def heldout_eval_hf(ckpt: Path, families: Sequence[Family], args: argparse.Names
 
 def input_shapes(args: argparse.Namespace) -> list[str]:
     """The distinct input shapes of ``--inputs``, in order; unknown names are refused."""
-    from cords_vllm.vqa.prompt import INPUT_SHAPES
+    from cords_vllm.lab.vqa.prompt import INPUT_SHAPES
 
     shapes = [x for x in (args.inputs or "video").split(",") if x]
     if not shapes or set(shapes) - set(INPUT_SHAPES):
@@ -335,7 +335,7 @@ def vllm_eval(ckpt: Path, families: Sequence[Family], args: argparse.Namespace) 
     """Held-out accuracy through the in-process vLLM engine (fp32), plus the CI test split's predictions."""
     from vllm import LLM
 
-    from cords_vllm.vqa.serving import engine_kwargs, predict_vllm
+    from cords_vllm.lab.vqa.serving import engine_kwargs, predict_vllm
 
     geometry = VideoGeometry(args.frames, args.size)
     llm = LLM(**engine_kwargs(ckpt, geometry))
@@ -495,7 +495,7 @@ def train(args: argparse.Namespace) -> None:
         "model": {"architecture": "Qwen2VLForConditionalGeneration", "parameters": n_params,
                   "base_spec": dataclasses.asdict(base_model_spec(seed=args.seed)),
                   "weights_dtype": args.save_dtype,
-                  "init": "untrained base model (cords_vllm.vqa.build_base_model)" if args.init is None
+                  "init": "untrained base model (cords_vllm.lab.vqa.build_base_model)" if args.init is None
                   else "continued from an earlier run (training.continued_from)"},
         "prompt": {"template": PROMPT_TEMPLATE,
                    "note": "raw prompt with one <|video_pad|> (frames sent as images: one "

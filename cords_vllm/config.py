@@ -20,6 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from cords_vllm.compress.plan import BudgetSettings, stream_footprint_blocks
+from cords_vllm.selection import available_selectors, get_selector, selector_params
 from cords_vllm.selection.base import GRANULARITIES
 
 #: The policy that leaves the engine untouched.
@@ -77,8 +79,6 @@ class KVPolicyConfigError(ValueError):
 
 def available_policies() -> list[str]:
     """``none`` followed by every selector in the registry: the choices of ``--kv-policy``."""
-    from cords_vllm.selection import available_selectors
-
     return [NO_POLICY, *available_selectors()]
 
 
@@ -194,10 +194,19 @@ class KVPolicyConfig:
         """
         if not self.enabled:
             return {}
-        from cords_vllm.selection import get_selector, selector_params
-
         selector = get_selector(self.policy, **dict(self.params))
         return {**self.to_json(), **{name: getattr(selector, name) for name in selector_params(self.policy)}}
+
+    @property
+    def budget_settings(self) -> BudgetSettings:
+        """The planner's view of the budget (:class:`~cords_vllm.compress.plan.BudgetSettings`)."""
+        return BudgetSettings(self.budget, self.recent, self.slack)
+
+    def stream_footprint_blocks(self, max_model_len: int, block_size: int) -> int:
+        """The most KV blocks one request holds under this policy, however long its video: its protected tokens
+        (at most :meth:`text_limit`) plus its bounded candidates (see
+        :func:`~cords_vllm.compress.plan.stream_footprint_blocks`)."""
+        return stream_footprint_blocks(self.text_limit(max_model_len), self.budget_settings, block_size)
 
     def text_limit(self, max_model_len: int) -> int:
         """The most protected tokens a request may hold under this policy, for an engine's max-model-len."""
@@ -308,8 +317,6 @@ def _modalities(value: Any) -> tuple[str, ...]:
 
 
 def _check_selector_params(policy: str, params: Mapping[str, Any]) -> None:
-    from cords_vllm.selection import get_selector
-
     try:
         get_selector(policy, **params)
     except (ValueError, TypeError) as exc:

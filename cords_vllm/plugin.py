@@ -1,11 +1,10 @@
 """vLLM general-plugin entry point (group ``vllm.general_plugins``).
 
-vLLM calls :func:`register` once in each of its processes (API server, engine core, every worker). It
-puts the plugin's loggers under vLLM's logging configuration (:mod:`cords_vllm.log`), checks the vLLM
-version, adds the ``--kv-policy`` flags, installs the engine patches (:mod:`cords_vllm.engine.patches`), the
-switch of the stream API (:mod:`cords_vllm.streams.plugin`) and the ``/metrics`` collector
-(:mod:`cords_vllm.observability`). Every step is idempotent and safe in any process; with
-``--kv-policy none`` the patched methods call straight through.
+vLLM calls :func:`register` once in each of its processes (API server, engine core, every worker). It puts the
+plugin's loggers under vLLM's logging configuration (:mod:`cords_vllm.log`), checks the vLLM version, installs
+the one patch table (:mod:`cords_vllm.integration.patches`: all or nothing, every entry signature-checked first)
+and registers the ``/metrics`` collector (:mod:`cords_vllm.integration.api_server.metrics`). Every step is
+idempotent and safe in any process; with ``--kv-policy none`` the patched methods call straight through.
 """
 
 from __future__ import annotations
@@ -22,18 +21,17 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    from cords_vllm import cli_args, observability
-    from cords_vllm.engine import patches
-    from cords_vllm.engine.patching import install as install_patches
+    # Imported here, not at module level: vLLM imports this module while it loads plugins, and the seam imports
+    # vLLM; the version must be checked before the patch table resolves any vLLM function.
+    from cords_vllm.integration.version_guard import check_vllm_version
     from cords_vllm.log import follow_vllm_logging
-    from cords_vllm.streams.plugin import ATTACH_PATCH
-    from cords_vllm.version_guard import check_vllm_version
 
     follow_vllm_logging()
     version = check_vllm_version()
-    cli_args.install()
+    from cords_vllm.integration import patches
+    from cords_vllm.integration.api_server.metrics import register_collector
+
     patches.install()
-    install_patches((ATTACH_PATCH,))
-    observability.register_collector()
+    register_collector()
     _registered = True
     logger.debug("cords-vllm registered with vLLM %s", version)

@@ -13,7 +13,7 @@ def model_or_tiny(model: str | None) -> str:
     """``model`` if given (e.g. ``Qwen/Qwen2-VL-7B-Instruct``), else the tiny local test model."""
     if model:
         return model
-    from cords_vllm.synthetic import build_tiny_qwen2vl
+    from cords_vllm.lab.synthetic import build_tiny_qwen2vl
 
     return str(build_tiny_qwen2vl())
 

@@ -31,8 +31,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--frames", type=int, default=64)
     args = p.parse_args(argv)
 
-    from cords_vllm.bench.offline import EngineSettings, run_offline
-    from cords_vllm.bench.workload import PolicySpec, VideoWorkload
+    from cords_vllm.lab.bench.offline import EngineSettings, run_offline
+    from cords_vllm.lab.bench.workload import PolicySpec, VideoWorkload
 
     model = model_or_tiny(args.model)
     workload = VideoWorkload(num_requests=1, frames=args.frames, size=224, max_tokens=4)

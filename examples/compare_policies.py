@@ -25,9 +25,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--pool-videos", type=float, default=2.0)
     args = p.parse_args(argv)
 
-    from cords_vllm.bench.offline import EngineSettings, run_offline
-    from cords_vllm.bench.report import format_table
-    from cords_vllm.bench.workload import PROMPT, QUESTION, BenchRequest, PolicySpec, VideoWorkload
+    from cords_vllm.lab.bench.offline import EngineSettings, run_offline
+    from cords_vllm.lab.bench.report import format_table
+    from cords_vllm.lab.bench.workload import PROMPT, QUESTION, BenchRequest, PolicySpec, VideoWorkload
 
     clips = [read_video(path, args.max_frames) for path in args.videos]
     frames = min(len(c) for c in clips)

@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> list[str]:
     if args.video:
         frames = video_file_frames(args.video)
     else:
-        from cords_vllm.synthetic import make_video
+        from cords_vllm.lab.synthetic import make_video
 
         n = int(args.seconds * args.fps) // 2 * 2
         frames = iter(make_video(n, 112, 112, seed=0).frames)

@@ -24,7 +24,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     from cords_vllm.config import kv_policy_args
-    from cords_vllm.synthetic import make_video
+    from cords_vllm.lab.synthetic import make_video
 
     frames = read_video(args.video) if args.video else make_video(64, 224, 224, seed=0).frames
     # vLLM builds EngineArgs before loading plugins, so the policy goes through `additional_config`;

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from cords_vllm.synthetic import TinyModelSpec, build_tiny_qwen2vl
+from cords_vllm.lab.synthetic import TinyModelSpec, build_tiny_qwen2vl
 from cords_vllm.threads import intra_op_threads
 
 #: Test directories of pure-torch code on tiny tensors, run with one intra-op thread (see cords_vllm.threads).

@@ -13,7 +13,7 @@ keys/values there. ``slots`` must live on the cache's device; nothing here reads
   addresses the same elements for every stride order.
 * :class:`CPUTileAccessor`: vLLM's CPU attention packs ``[num_blocks, H, block_size, 2 * D]`` as a K tile
   and a V tile per (block, head) whose element order depends on the ISA. The tile permutations are learnt
-  once through the backend's own op (``cords_vllm.engine.cpu_layout``) and injected here, together with
+  once through the backend's own op (``cords_vllm.integration.worker.cpu_layout``) and injected here, together with
   the backend's write op, so writes are exact by construction.
 """
 

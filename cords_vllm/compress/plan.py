@@ -1,7 +1,7 @@
 """Pure compression planning over logical token ranges and block ids (no vLLM import, no tensors).
 
 This module is the one home of what crosses from the scheduler to the workers: :data:`NULL_BLOCK_ID`,
-:class:`VideoSpans`, :class:`CompressionPlan` (all host integers) and :class:`RequestCompressionState`.
+:class:`CandidateSpans`, :class:`CompressionPlan` (all host integers) and :class:`RequestCompressionState`.
 
 Model of a request's KV row (one full-attention KV cache group):
 
@@ -40,8 +40,9 @@ NULL_BLOCK_ID = 0
 
 
 @dataclass(frozen=True)
-class VideoSpans:
-    """Logical ``[start, end)`` ranges of a request's video tokens, sorted and disjoint."""
+class CandidateSpans:
+    """Logical ``[start, end)`` ranges of a request's candidate tokens (those of its videos and images that may
+    be evicted), sorted and disjoint."""
 
     spans: tuple[tuple[int, int], ...]
 
@@ -86,12 +87,12 @@ class RequestCompressionState:
     """What the scheduler remembers about one request's compressed prefix.
 
     ``region_blocks`` logical blocks ``[0, region_blocks)`` have been compacted; they hold
-    ``held_blocks`` physical blocks, of which ``held_video`` tokens are video.
+    ``held_blocks`` physical blocks, of which ``held_candidates`` tokens are video.
     """
 
     region_blocks: int = 0
     held_blocks: int = 0
-    held_video: int = 0
+    held_candidates: int = 0
     compressions: int = 0
     evicted_tokens: int = 0
 
@@ -117,12 +118,12 @@ class CompressionPlan:
         previously kept tokens, then the ``j - j_prev`` blocks of logical tokens ``[j_prev*bs, j*bs)``.
     num_keep:
         Tokens kept in the region (``k * bs``), protected ones included.
-    num_keep_video:
+    num_keep_candidates:
         Video tokens kept in the region (the selection budget).
-    num_held_video:
+    num_held_candidates:
         Video tokens the region holds before this compression (the selection's candidates).
-    video:
-        The request's video spans (the workers decide which held tokens are candidates).
+    candidates:
+        The request's candidate spans (the workers decide which held tokens are candidates).
     """
 
     req_id: str
@@ -132,17 +133,13 @@ class CompressionPlan:
     prev_held_blocks: int
     src_blocks: tuple[int, ...]
     num_keep: int
-    num_keep_video: int
-    num_held_video: int
-    video: VideoSpans = field(repr=False)
+    num_keep_candidates: int
+    num_held_candidates: int
+    candidates: CandidateSpans = field(repr=False)
 
     @property
     def kept_blocks(self) -> tuple[int, ...]:
         return self.src_blocks[: self.num_keep // self.block_size]
-
-    @property
-    def freed_blocks(self) -> tuple[int, ...]:
-        return self.src_blocks[self.num_keep // self.block_size:]
 
     @property
     def num_held(self) -> int:
@@ -178,27 +175,27 @@ class BudgetSettings:
     slack: int
 
 
-def held_video_tokens(state: RequestCompressionState, video: VideoSpans, num_computed: int,
+def held_candidate_tokens(state: RequestCompressionState, video: CandidateSpans, num_computed: int,
                       block_size: int) -> int:
     """Video tokens physically held for a request with ``num_computed`` logical tokens."""
-    return state.held_video + video.count_in(state.region_blocks * block_size, num_computed)
+    return state.held_candidates + video.count_in(state.region_blocks * block_size, num_computed)
 
 
 @dataclass(frozen=True)
 class _Decision:
     region_blocks: int
     kept_blocks: int
-    num_keep_video: int
+    num_keep_candidates: int
     region_held_video: int
     region_held: int
 
 
-def _decide(state: RequestCompressionState, video: VideoSpans, num_computed: int, num_prompt: int,
+def _decide(state: RequestCompressionState, video: CandidateSpans, num_computed: int, num_prompt: int,
             settings: BudgetSettings, bs: int) -> _Decision | None:
     """The compression a request with ``num_computed`` logical tokens gets now, or ``None``."""
     if num_computed >= num_prompt or video.total == 0:
         return None
-    if held_video_tokens(state, video, num_computed, bs) <= settings.budget + settings.slack:
+    if held_candidate_tokens(state, video, num_computed, bs) <= settings.budget + settings.slack:
         return None
     computed_video = video.count_before(num_computed)
     if computed_video <= settings.recent:
@@ -208,17 +205,17 @@ def _decide(state: RequestCompressionState, video: VideoSpans, num_computed: int
     j_prev = state.region_blocks
     if j <= j_prev:
         return None
-    region_held_video = state.held_video + video.count_in(j_prev * bs, j * bs)
+    region_held_video = state.held_candidates + video.count_in(j_prev * bs, j * bs)
     region_held = state.held_blocks * bs + (j - j_prev) * bs
     protected = region_held - region_held_video
     k = cdiv(protected + settings.budget - settings.recent, bs)
-    num_keep_video = k * bs - protected
-    if num_keep_video >= region_held_video:
+    num_keep_candidates = k * bs - protected
+    if num_keep_candidates >= region_held_video:
         return None  # rounding to whole blocks leaves nothing to evict
-    return _Decision(j, k, num_keep_video, region_held_video, region_held)
+    return _Decision(j, k, num_keep_candidates, region_held_video, region_held)
 
 
-def plan_compression(req_id: str, row: Sequence[int], num_computed: int, num_prompt: int, video: VideoSpans,
+def plan_compression(req_id: str, row: Sequence[int], num_computed: int, num_prompt: int, video: CandidateSpans,
                      state: RequestCompressionState, settings: BudgetSettings,
                      block_size: int) -> CompressionPlan | None:
     """Decide whether to compress a request now and how; ``None`` if not.
@@ -248,12 +245,12 @@ def plan_compression(req_id: str, row: Sequence[int], num_computed: int, num_pro
     return CompressionPlan(
         req_id=req_id, block_size=bs, prev_region_blocks=state.region_blocks, region_blocks=j,
         prev_held_blocks=state.held_blocks, src_blocks=tuple(src), num_keep=k * bs,
-        num_keep_video=decision.num_keep_video, num_held_video=decision.region_held_video,
-        video=video,
+        num_keep_candidates=decision.num_keep_candidates, num_held_candidates=decision.region_held_video,
+        candidates=video,
     )
 
 
-def next_compression_point(state: RequestCompressionState, video: VideoSpans, num_computed: int,
+def next_compression_point(state: RequestCompressionState, video: CandidateSpans, num_computed: int,
                            num_prompt: int, settings: BudgetSettings, block_size: int) -> int | None:
     """The next logical position ``P > num_computed`` at which the request is compressed, or ``None``.
 
@@ -267,7 +264,7 @@ def next_compression_point(state: RequestCompressionState, video: VideoSpans, nu
     if video.total == 0 or num_computed + 1 >= num_prompt:
         return None
     # first position holding more than budget + slack video tokens (the held count only grows with P)
-    need = video.count_before(state.region_blocks * bs) + settings.budget + settings.slack - state.held_video + 1
+    need = video.count_before(state.region_blocks * bs) + settings.budget + settings.slack - state.held_candidates + 1
     if need > video.total:
         return None
     point = max(num_computed + 1, video.position_of(need - 1) + 1)
@@ -295,9 +292,9 @@ def apply_plan(state: RequestCompressionState, plan: CompressionPlan) -> Request
     return RequestCompressionState(
         region_blocks=plan.region_blocks,
         held_blocks=plan.num_keep // plan.block_size,
-        held_video=plan.num_keep_video,
+        held_candidates=plan.num_keep_candidates,
         compressions=state.compressions + 1,
-        evicted_tokens=state.evicted_tokens + plan.num_held_video - plan.num_keep_video,
+        evicted_tokens=state.evicted_tokens + plan.num_held_candidates - plan.num_keep_candidates,
     )
 
 
@@ -310,8 +307,8 @@ def compressed_footprint_blocks(num_tokens: int, video_tokens: int, settings: Bu
     rounding of its kept region and of its recent window to whole blocks (two blocks), whatever the chunk
     sizes.
     """
-    held_video = min(video_tokens, settings.budget + settings.slack + 2 * block_size)
-    return cdiv(num_tokens - video_tokens + held_video, block_size)
+    held_candidates = min(video_tokens, settings.budget + settings.slack + 2 * block_size)
+    return cdiv(num_tokens - video_tokens + held_candidates, block_size)
 
 
 def stream_footprint_blocks(max_text_tokens: int, settings: BudgetSettings, block_size: int) -> int:

@@ -47,7 +47,7 @@ class RegionBatch:
     frame_labels:
         ``long [L]``, frame granularity only: the frame label (M-RoPE temporal position) of every logical
         token of the request; ``None`` otherwise.
-    num_keep, num_keep_video, num_candidates:
+    num_keep, num_keep_candidates, num_candidates:
         Tokens kept in the region (protected included), video tokens kept, video tokens held.
     group_size:
         Tokens per selection group (the largest frame, or the block size); ``None`` at token granularity.
@@ -64,7 +64,7 @@ class RegionBatch:
     spans: torch.Tensor
     frame_labels: torch.Tensor | None
     num_keep: int
-    num_keep_video: int
+    num_keep_candidates: int
     num_candidates: int
     group_size: int | None = None
     frame_budget: int | None = None
@@ -114,7 +114,7 @@ def select_positions(setup: SelectionSetup, keys: torch.Tensor, values: torch.Te
         k, v, cand = keys, values, candidates[:, 0]
         labels = None if labels is None else labels[:, 0]
     positions = select_exact(
-        setup.selector, k, v, batch.num_keep_video, candidates=cand, granularity=setup.granularity,
+        setup.selector, k, v, batch.num_keep_candidates, candidates=cand, granularity=setup.granularity,
         group_size=batch.group_size, group_index=labels if setup.granularity == "frame" else None,
         num_candidates=batch.num_candidates, frame_budget=batch.frame_budget, frame_tokens=batch.frame_tokens,
         generator=generator)

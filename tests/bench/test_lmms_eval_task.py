@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 import yaml
 
-from cords_vllm.bench.lmms_eval import (
+from cords_vllm.client import video_file_frames
+from cords_vllm.lab.bench.lmms_eval import (
     FRAME_CACHE_FIX,
     MODES,
     TASK_NAME,
@@ -32,8 +33,7 @@ from cords_vllm.bench.lmms_eval import (
     server_flags,
     write_task,
 )
-from cords_vllm.client import video_file_frames
-from cords_vllm.vqa import VideoGeometry, make_example, shipped_checkpoint
+from cords_vllm.lab.vqa import VideoGeometry, make_example, shipped_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = VideoGeometry(num_frames=16, size=56)

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from cords_vllm.bench.paired import mcnemar_exact
+from cords_vllm.lab.bench.paired import mcnemar_exact
 
 
 def _brute_force_p(b: int, c: int) -> float:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cords_vllm.compress.attention_view import RowHoles, compact_rows
-from cords_vllm.engine.attention_view import physical_view
+from cords_vllm.integration.worker.attention_view import physical_view
 from cords_vllm.utils import cdiv
 from tests.compress.device_audit import DeviceAudit
 

@@ -12,7 +12,7 @@ import torch
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from cords_vllm.compress.kv_access import CPUTileAccessor, PagedAccessor, slots_of
-from cords_vllm.engine.cpu_layout import accessor_for_layer, cpu_tile_accessor, probe_cpu_tile_layout
+from cords_vllm.integration.worker.cpu_layout import accessor_for_layer, cpu_tile_accessor, probe_cpu_tile_layout
 
 BLOCKS, HEADS, BS, D, LAYERS = 5, 2, 16, 8, 3
 

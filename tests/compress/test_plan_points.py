@@ -8,10 +8,10 @@ import pytest
 
 from cords_vllm.compress.plan import (
     BudgetSettings,
+    CandidateSpans,
     RequestCompressionState,
-    VideoSpans,
     apply_plan,
-    held_video_tokens,
+    held_candidate_tokens,
     next_compression_point,
     plan_compression,
 )
@@ -19,13 +19,13 @@ from cords_vllm.compress.plan import (
 BS = 8
 
 
-def _layout(rng: random.Random) -> tuple[VideoSpans, int]:
+def _layout(rng: random.Random) -> tuple[CandidateSpans, int]:
     spans, pos = [], rng.randrange(0, 20)
     for _ in range(rng.randrange(1, 4)):
         length = rng.randrange(10, 200)
         spans.append((pos, pos + length))
         pos += length + rng.randrange(0, 30)
-    return VideoSpans(tuple(spans)), pos + rng.randrange(1, 20)
+    return CandidateSpans(tuple(spans)), pos + rng.randrange(1, 20)
 
 
 def _row(num_tokens: int, state: RequestCompressionState) -> list[int]:
@@ -50,7 +50,7 @@ def test_the_next_point_is_the_first_position_that_plans_a_compression(seed):
         if point is None:
             break
         # a chunk ending at the point never lets the request hold more than its bounded footprint
-        assert held_video_tokens(state, video, point, BS) <= settings.budget + settings.slack + 2 * BS
+        assert held_candidate_tokens(state, video, point, BS) <= settings.budget + settings.slack + 2 * BS
         plan = plan_compression("r", _row(point, state), point, num_prompt, video, state, settings, BS)
         state, computed = apply_plan(state, plan), point
         points.append(point)

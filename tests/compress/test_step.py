@@ -37,7 +37,7 @@ def _batch(blocks, labels, spans, num_candidates, keep_blocks, granularity) -> R
         src_slots=slots_of(blocks, BS), dst_slots=slots_of(blocks[:keep_blocks], BS),
         new_ids=torch.arange(blocks.numel() * BS, device=blocks.device), spans=spans,
         frame_labels=labels if granularity == "frame" else None, num_keep=num_keep,
-        num_keep_video=num_keep - TEXT, num_candidates=num_candidates,
+        num_keep_candidates=num_keep - TEXT, num_candidates=num_candidates,
         group_size={"frame": FRAME, "block": BS}.get(granularity), frame_budget=None, frame_tokens=FRAME)
 
 
@@ -81,7 +81,7 @@ def test_a_second_compression_continues_from_the_held_ids():
     src = torch.cat([blocks[:4], blocks[10:region]])
     second = RegionBatch(src_slots=slots_of(src, BS), dst_slots=slots_of(src[:5], BS),
                          new_ids=torch.arange(10 * BS, region * BS), spans=spans, frame_labels=labels,
-                         num_keep=5 * BS, num_keep_video=5 * BS - TEXT,
+                         num_keep=5 * BS, num_keep_candidates=5 * BS - TEXT,
                          num_candidates=4 * BS - TEXT + (region - 10) * BS, group_size=FRAME)
     again = compress_region(caches, [accessor] * LAYERS, held, second, setup)
     assert again[0].shape == (HEADS, 5 * BS)

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from cords_vllm.config import kv_policy_args
-from cords_vllm.inprocess import make_llm
-from cords_vllm.introspect import record_steps, snapshot
-from cords_vllm.synthetic import make_video
+from cords_vllm.integration.inprocess.introspect import record_steps, snapshot
+from cords_vllm.integration.inprocess.llm import make_llm
+from cords_vllm.lab.synthetic import make_video
 
 os.environ["CORDS_VLLM_TRACE"] = "1"
 
@@ -80,13 +80,13 @@ def run_engine(model: str, prompts: list[dict], policy: str = "none", max_tokens
 
 
 def _published_peak(llm) -> float:
-    from cords_vllm.engine.patches import scheduler_hooks
-    from cords_vllm.engine.peak_kv import METRIC, PeakHeldBlocks
-    from cords_vllm.introspect import scheduler_of
+    from cords_vllm.integration.engine_core.hooks import scheduler_hooks
+    from cords_vllm.integration.engine_core.observers import PEAK
+    from cords_vllm.integration.inprocess.introspect import scheduler_of
 
-    observer = next(o for o in scheduler_hooks(scheduler_of(llm)).observers if isinstance(o, PeakHeldBlocks))
-    observer.sink.flush()
-    return json.loads(observer.sink.path.read_text())[METRIC]
+    publisher = scheduler_hooks(scheduler_of(llm)).publisher
+    publisher.flush()
+    return json.loads(publisher.path.read_text())["totals"][PEAK]
 
 
 def chunks_for(prompt_len: int, evictions: dict) -> list[int]:
@@ -105,6 +105,6 @@ def evictions_of(events, req_prefix: str = "") -> dict[int, list[torch.Tensor]]:
 
 @pytest.fixture(scope="session")
 def hf_reference(tiny_model):
-    from cords_vllm.reference.hf import HFQwen2VLReference
+    from cords_vllm.lab.reference.hf import HFQwen2VLReference
 
     return HFQwen2VLReference(tiny_model)

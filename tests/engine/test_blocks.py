@@ -8,8 +8,8 @@ import time
 import pytest
 
 from cords_vllm.config import kv_policy_args
-from cords_vllm.inprocess import make_llm
-from cords_vllm.introspect import scheduler_of, snapshot
+from cords_vllm.integration.inprocess.introspect import scheduler_of, snapshot
+from cords_vllm.integration.inprocess.llm import make_llm
 from cords_vllm.utils import cdiv
 from tests.engine.conftest import BLOCK, CHUNK, TEXT_PROMPT, VIDEO_PROMPT, run_engine, video
 

@@ -33,7 +33,7 @@ def test_compress_region_on_cuda_equals_cpu(policy, granularity):
             src_slots=slots_of(blocks, bs), dst_slots=slots_of(blocks[:6], bs),
             new_ids=torch.arange(region * bs, device=device),
             spans=torch.tensor([[text, text + frames * frame]], device=device), frame_labels=labels.to(device),
-            num_keep=6 * bs, num_keep_video=6 * bs - text, num_candidates=region * bs - text,
+            num_keep=6 * bs, num_keep_candidates=6 * bs - text, num_candidates=region * bs - text,
             group_size={"frame": frame, "block": bs}.get(granularity), frame_budget=8, frame_tokens=frame)
         setup = SelectionSetup(get_selector(policy), granularity, False, (0, 0, 2))
         on = [c.to(device) for c in caches]
@@ -58,7 +58,7 @@ def test_attention_view_never_synchronises():
 
 
 def test_engine_compresses_on_cuda_and_its_attention_view_never_synchronises(tiny_model, monkeypatch):
-    import cords_vllm.engine.attention_view as attention_view
+    import cords_vllm.integration.worker.attention_view as attention_view
     from tests.engine.conftest import VIDEO_PROMPT, run_engine, video
 
     original = attention_view.compact_rows

@@ -6,12 +6,12 @@ import gc
 
 import pytest
 
-from cords_vllm.bench.offline import kv_bytes_per_block
 from cords_vllm.compress.plan import BudgetSettings, stream_footprint_blocks
 from cords_vllm.config import kv_policy_args
-from cords_vllm.inprocess import make_llm
-from cords_vllm.introspect import snapshot
-from cords_vllm.session import EngineSession
+from cords_vllm.integration.inprocess.introspect import snapshot
+from cords_vllm.integration.inprocess.llm import make_llm
+from cords_vllm.integration.inprocess.session import EngineSession
+from cords_vllm.lab.bench.offline import kv_bytes_per_block
 from tests.engine.conftest import BLOCK, video
 
 pytestmark = pytest.mark.engine
@@ -62,7 +62,7 @@ def test_a_stream_runs_to_twenty_pools_with_flat_blocks(tiny_model):
         session.push({"prompt": ("<|im_start|>user\n" if i == 0 else "") + CLIP,
                       "multi_modal_data": {"video": video(4, seed=i % 7)}})
         held.append(snapshot(llm).requests[session.request_id])
-    assert held[-1].video_tokens >= 20 * POOL * BLOCK
+    assert held[-1].candidate_tokens >= 20 * POOL * BLOCK
     assert max(h.held_blocks for h in held) <= bound <= POOL
     assert held[-1].held_blocks == held[len(held) // 2].held_blocks  # flat: the same at half and full length
     answer = session.push({"prompt": "What color was the square?<|im_end|>\n<|im_start|>assistant\n"})

@@ -8,7 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from cords_vllm.engine.patching import MARKER, EngineSignatureError, Patch, install, installed
+from cords_vllm.integration.patching import (
+    MARKER,
+    Call,
+    Drains,
+    EngineSignatureError,
+    Field,
+    Patch,
+    install,
+    installed,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -68,19 +77,47 @@ def test_a_foreign_signature_refuses_before_anything_changes(fake_module):
         install([Patch(good.target, ("self",), _tagging("s"), why="test", keywords=("reserved_blocks",))])
 
 
-def test_the_engine_patch_table_is_installed_and_names_its_upstream_patches():
-    from cords_vllm.engine import patches
+def test_calls_fields_and_drains_are_checked_before_anything_changes(fake_module):
+    fake_module.Scheduler.steps = None
 
-    patches.install()
-    assert installed(patches.ENGINE_PATCHES) == list(patches.ENGINE_PATCHES)
-    for patch in patches.ENGINE_PATCHES:
-        assert patch.why and (patch.upstream is None or (REPO / patch.upstream).is_file()), patch.upstream
-    assert sum(p.upstream is not None for p in patches.ENGINE_PATCHES) == 5  # patches/0001..0005
+    def update_from_output(self):
+        return self.error_reqs
+
+    fake_module.Scheduler.update_from_output = update_from_output
+    good = Patch(f"{fake_module.__name__}:Scheduler.schedule", ("self",), _tagging("s"), why="test")
+    field = Field(f"{fake_module.__name__}:Scheduler.plans", (), why="test")
+    for bad in (Call(f"{fake_module.__name__}:Scheduler.schedule", ("self", "budget"), why="test"),
+                Drains(f"{fake_module.__name__}:Scheduler.update_from_output", "mismatch_reqs", why="test")):
+        with pytest.raises(EngineSignatureError, match="Scheduler"):
+            install([good, field, bad])
+        assert fake_module.Scheduler().schedule() == "scheduled" and not hasattr(fake_module.Scheduler, "plans")
+    install([good, field, Call(f"{fake_module.__name__}:Scheduler.schedule", ("self",), why="test"),
+             Drains(f"{fake_module.__name__}:Scheduler.update_from_output", "error_reqs", why="test")])
+    assert fake_module.Scheduler.plans == () and fake_module.Scheduler().schedule() == ("s", "scheduled")
+    assert installed([good, field]) == [good, field]
 
 
-def test_the_cli_patches_use_the_same_mechanism():
-    from cords_vllm.cli_args import CLI_PATCHES
+def test_one_table_holds_every_vllm_function_the_plugin_wraps_or_calls():
+    from cords_vllm.integration import patches
     from cords_vllm.plugin import register
 
     register()
-    assert installed(CLI_PATCHES) == list(CLI_PATCHES)
+    wrapped = [e for e in patches.TABLE if isinstance(e, Patch | Field)]
+    assert installed(patches.TABLE) == wrapped
+    for entry in patches.TABLE:
+        assert entry.why, entry.target
+        upstream = getattr(entry, "upstream", None)
+        assert upstream is None or (REPO / upstream).is_file(), upstream
+    assert len({e.upstream for e in patches.patches() if e.upstream}) == 5  # patches/0001..0005
+    private = {e.target for e in patches.TABLE
+               if isinstance(e, Call) and e.target.partition(":")[2].rsplit(".", 1)[-1].startswith("_")}
+    assert "vllm.v1.core.kv_cache_utils:_pool_bytes_per_block" in private
+    # every process installs the same table: the start-up, engine-core, worker and API-server parts together
+    assert {*patches.STARTUP, *patches.ENGINE_CORE, *patches.WORKER, *patches.API_SERVER} <= set(patches.TABLE)
+
+
+def test_the_plugin_installs_nothing_but_the_one_table():
+    """No module of the runtime calls the install mechanism except the table itself."""
+    offenders = [str(p.relative_to(REPO)) for p in (REPO / "cords_vllm").rglob("*.py")
+                 if "install_entries(" in p.read_text() and p.name != "patches.py"]
+    assert offenders == []

@@ -8,11 +8,11 @@ import subprocess
 
 import pytest
 
-from cords_vllm.bench.http import run_http, scrape
-from cords_vllm.bench.workload import VideoWorkload
-from cords_vllm.observability import await_published
-from cords_vllm.serving.process import VLLMServer, server_env, vllm_executable
-from cords_vllm.synthetic import make_video, mp4_data_url
+from cords_vllm.integration.published import await_published
+from cords_vllm.lab.bench.http import run_http, scrape
+from cords_vllm.lab.bench.workload import VideoWorkload
+from cords_vllm.lab.serving.process import VLLMServer, server_env, vllm_executable
+from cords_vllm.lab.synthetic import make_video, mp4_data_url
 
 pytestmark = pytest.mark.server
 

@@ -13,12 +13,12 @@ import time
 
 import pytest
 
-from cords_vllm.bench.http import scrape
 from cords_vllm.client import frame_data_url
 from cords_vllm.compress.plan import BudgetSettings, compressed_footprint_blocks
-from cords_vllm.observability import PUBLISH_INTERVAL_S, await_published
-from cords_vllm.serving.process import VLLMServer
-from cords_vllm.vqa import VideoGeometry, make_split, shipped_checkpoint
+from cords_vllm.integration.published import PUBLISH_INTERVAL_S, await_published
+from cords_vllm.lab.bench.http import scrape
+from cords_vllm.lab.serving.process import VLLMServer
+from cords_vllm.lab.vqa import VideoGeometry, make_split, shipped_checkpoint
 
 pytestmark = pytest.mark.server
 

@@ -9,9 +9,9 @@ import torch
 
 from cords_vllm.compress.plan import BudgetSettings, compressed_footprint_blocks
 from cords_vllm.config import kv_policy_args
-from cords_vllm.inprocess import make_llm
-from cords_vllm.introspect import record_steps, snapshot
-from cords_vllm.session import EngineSession
+from cords_vllm.integration.inprocess.introspect import record_steps, snapshot
+from cords_vllm.integration.inprocess.llm import make_llm
+from cords_vllm.integration.inprocess.session import EngineSession
 from tests.engine.conftest import BLOCK, chunks_for, evictions_of, video
 
 pytestmark = pytest.mark.engine
@@ -71,10 +71,10 @@ def test_a_session_is_compressed_across_turns_and_stays_bounded(session_run):
     assert len(held) == PUSHES + len(QUESTION_AFTER)
     assert held[-1].compressions >= 5  # compressed as the video arrives, across turns
     video_tokens = PUSHES * (CLIP_FRAMES * 32 + 2)  # each clip's tokens and its two vision markers
-    assert held[-1].video_tokens == video_tokens
+    assert held[-1].candidate_tokens == video_tokens
     settings = BudgetSettings(BUDGET, BUDGET // 4, SLACK)
     for state in held:  # after every turn, waiting for the next one
-        assert state.held_video_tokens <= BUDGET + SLACK + 2 * BLOCK
+        assert state.held_candidate_tokens <= BUDGET + SLACK + 2 * BLOCK
     # at every step, inside turns too: the bounded footprint of the whole stream (all of its text kept)
     text_tokens = held[-1].held_blocks * BLOCK  # upper bound on what the last state holds, text included
     footprint = compressed_footprint_blocks(text_tokens + video_tokens, video_tokens, settings, BLOCK)
@@ -96,7 +96,7 @@ def test_answers_and_kept_tokens_equal_the_one_shot_request_and_hf(tiny_model, s
         text = "".join(t for t, _, _ in turns[: end + 1])
         clips = [c for _, c, _ in turns[: end + 1] if c is not None]
         prompts.append({"prompt": text, "multi_modal_data": {"video": clips}})
-    from cords_vllm.introspect import snapshot as snap
+    from cords_vllm.integration.inprocess.introspect import snapshot as snap
 
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, logprobs=20), use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outs] == session_run["answers"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-import cords_vllm.engine.attention_view as attention_view
+import cords_vllm.integration.worker.attention_view as attention_view
 from tests.engine.conftest import TEXT_PROMPT, VIDEO_PROMPT, run_engine, video
 
 pytestmark = pytest.mark.engine

@@ -1,4 +1,4 @@
-"""The README's main job, ``python -m cords_vllm.demo`` (``make demo``): live cameras over real HTTP, small."""
+"""The README's main job, ``python -m cords_vllm.lab.demo`` (``make demo``): live cameras over real HTTP, small."""
 
 from __future__ import annotations
 

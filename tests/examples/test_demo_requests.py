@@ -1,4 +1,4 @@
-"""The one-shot requests demo, ``python -m cords_vllm.demo_requests``, on small workloads over real HTTP."""
+"""The one-shot requests demo, ``python -m cords_vllm.lab.demo_requests``, on small workloads over real HTTP."""
 
 from __future__ import annotations
 

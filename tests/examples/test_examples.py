@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from cords_vllm.serving.process import VLLMServer
-from cords_vllm.synthetic import encode_mp4, make_video
+from cords_vllm.lab.serving.process import VLLMServer
+from cords_vllm.lab.synthetic import encode_mp4, make_video
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 sys.path.insert(0, str(EXAMPLES))

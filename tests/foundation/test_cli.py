@@ -5,7 +5,7 @@ import subprocess
 import pytest
 
 from cords_vllm.config import available_policies
-from cords_vllm.serving.process import server_env, vllm_executable
+from cords_vllm.lab.serving.process import server_env, vllm_executable
 
 pytestmark = pytest.mark.server
 

@@ -2,9 +2,9 @@
 
 import pytest
 
-from cords_vllm.inprocess import make_llm
-from cords_vllm.reference.hf import HFQwen2VLReference
-from cords_vllm.synthetic import make_video
+from cords_vllm.integration.inprocess.llm import make_llm
+from cords_vllm.lab.reference.hf import HFQwen2VLReference
+from cords_vllm.lab.synthetic import make_video
 
 pytestmark = pytest.mark.engine
 

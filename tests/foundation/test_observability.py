@@ -11,23 +11,23 @@ from pathlib import Path
 
 import pytest
 
-from cords_vllm import observability
+from cords_vllm.integration import published
+from cords_vllm.integration.published import Publisher, read_totals
 from cords_vllm.log import follow_vllm_logging
-from cords_vllm.observability import CounterSink, read_totals
 
 
 @pytest.fixture
 def metrics_dir(tmp_path, monkeypatch) -> Path:
-    monkeypatch.setenv(observability.DIR_ENV, str(tmp_path))
-    monkeypatch.delenv(observability.MULTIPROC_ENV, raising=False)
+    monkeypatch.setenv(published.DIR_ENV, str(tmp_path))
+    monkeypatch.delenv(published.MULTIPROC_ENV, raising=False)
     return tmp_path
 
 
 def test_add_does_no_file_io_and_flush_publishes(metrics_dir, monkeypatch):
-    sink = CounterSink("scheduler", interval=60.0)
+    sink = Publisher("scheduler", interval=60.0)
 
     def no_io(*args, **kwargs):
-        raise AssertionError("CounterSink.add touched the file system")
+        raise AssertionError("Publisher.add touched the file system")
 
     with monkeypatch.context() as m:
         for owner, name in ((os, "replace"), (Path, "write_text"), (Path, "is_dir"), (Path, "exists"),
@@ -48,7 +48,7 @@ def test_add_does_no_file_io_and_flush_publishes(metrics_dir, monkeypatch):
 
 
 def test_high_water_marks_only_rise_and_show_the_largest_producer(metrics_dir):
-    first, second = CounterSink("scheduler", interval=60.0), CounterSink("scheduler", interval=60.0)
+    first, second = Publisher("scheduler", interval=60.0), Publisher("scheduler", interval=60.0)
     for value in (5, 3, 9, 7):
         first.raise_to(request_kv_blocks_peak=value)
     second.raise_to(request_kv_blocks_peak=4)
@@ -63,7 +63,7 @@ def test_high_water_marks_only_rise_and_show_the_largest_producer(metrics_dir):
 
 
 def test_changes_are_published_within_the_interval(metrics_dir):
-    scheduler, worker = CounterSink("scheduler", interval=0.05), CounterSink("worker", interval=0.05)
+    scheduler, worker = Publisher("scheduler", interval=0.05), Publisher("worker", interval=0.05)
     scheduler.add(compressions=2)
     worker.add(selection_seconds=0.25)
     deadline = time.monotonic() + 10
@@ -75,10 +75,37 @@ def test_changes_are_published_within_the_interval(metrics_dir):
     assert sorted(p.suffix for p in metrics_dir.iterdir()) == [".json", ".json"]
 
 
+def test_streams_are_published_by_external_id_and_replaced_not_merged(metrics_dir):
+    from cords_vllm.integration.published import HeldKV, read_published
+
+    scheduler, other = Publisher("scheduler", interval=60.0), Publisher("scheduler", interval=60.0)
+    scheduler.hold({"cam-1": HeldKV(blocks=3, tokens=90, stream_tokens=400)})
+    other.hold({"cam-2": HeldKV(blocks=5, tokens=150, stream_tokens=900)})
+    assert list(metrics_dir.iterdir()) == []  # memory only until the timer or a flush
+    scheduler.flush()
+    other.flush()
+    published = read_published(metrics_dir)
+    assert published.streams == {"cam-1": HeldKV(3, 90, 400), "cam-2": HeldKV(5, 150, 900)}
+    scheduler.hold({})  # the stream ended: the next publication drops it
+    scheduler.flush()
+    assert read_published(metrics_dir).streams == {"cam-2": HeldKV(5, 150, 900)}
+    assert read_published(metrics_dir).counters["compressions"] == 0
+
+
+def test_the_external_id_is_the_engine_id_without_vllms_random_suffix(monkeypatch):
+    from cords_vllm.integration.engine_core.requests import external_request_id
+
+    monkeypatch.delenv("VLLM_DISABLE_REQUEST_ID_RANDOMIZATION", raising=False)
+    assert external_request_id("str-3f2a-1b2c3d4e") == "str-3f2a"
+    assert external_request_id("x") == "x"
+    monkeypatch.setenv("VLLM_DISABLE_REQUEST_ID_RANDOMIZATION", "1")
+    assert external_request_id("str-3f2a-1b2c3d4e") == "str-3f2a-1b2c3d4e"
+
+
 PRODUCER = """
 import os
-from cords_vllm.observability import CounterSink
-sink = CounterSink("worker", interval=60.0)
+from cords_vllm.integration.published import Publisher
+sink = Publisher("worker", interval=60.0)
 sink.add(compressions=1, evicted_tokens=7)
 sink.add(compressions=2)
 sink.raise_to(request_kv_blocks_peak=int(os.environ["PEAK"]) - 1)
@@ -96,7 +123,7 @@ def test_several_api_servers_read_the_counters_from_prometheus_multiprocess_file
 
     prom = tmp_path / "prometheus"
     prom.mkdir()
-    env = {**os.environ, observability.MULTIPROC_ENV: str(prom), observability.DIR_ENV: str(tmp_path)}
+    env = {**os.environ, published.MULTIPROC_ENV: str(prom), published.DIR_ENV: str(tmp_path)}
     for peak in (11, 6):  # two producer processes (e.g. two engine cores)
         subprocess.run([sys.executable, "-c", PRODUCER], env={**env, "PEAK": str(peak)}, check=True, timeout=120)
     registry = CollectorRegistry()
@@ -124,7 +151,7 @@ def test_plugin_loggers_follow_vllm_logging_configuration():
 
     follow_vllm_logging()
     assert follow_vllm_logging() is logging.getLogger("cords_vllm")  # idempotent
-    worker = logging.getLogger("cords_vllm.engine.worker")
+    worker = logging.getLogger("cords_vllm.integration.worker.compressor")
     vllm_logger = logging.getLogger("vllm")
     records = _Records()
     try:
@@ -154,8 +181,8 @@ def test_plugin_loggers_propagate_to_root_when_vllm_does_not_configure_logging()
         vllm_logger.setLevel(logging.NOTSET)
         root.setLevel(logging.DEBUG)
         root.addHandler(records)
-        logging.getLogger("cords_vllm.engine.scheduler").debug("cords-vllm: plan r")
-        assert [r.name for r in records.records] == ["cords_vllm.engine.scheduler"]
+        logging.getLogger("cords_vllm.integration.engine_core.scheduler").debug("cords-vllm: plan r")
+        assert [r.name for r in records.records] == ["cords_vllm.integration.engine_core.scheduler"]
     finally:
         root.removeHandler(records)
         vllm_logger.handlers, vllm_logger.propagate = handlers, propagate

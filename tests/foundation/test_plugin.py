@@ -5,7 +5,7 @@ from importlib.metadata import entry_points
 
 import pytest
 
-from cords_vllm.version_guard import UnsupportedVLLMError, check_vllm_version, is_supported
+from cords_vllm.integration.version_guard import UnsupportedVLLMError, check_vllm_version, is_supported
 
 
 def test_entry_point_is_registered():
@@ -41,7 +41,7 @@ def test_register_is_idempotent_and_adds_flags(tiny_model):
     none = AsyncEngineArgs.from_cli_args(parser.parse_args(["--model", tiny_model]))
     assert "kv_policy" not in none.additional_config
     # flags added once even if the group is added twice to one parser
-    from cords_vllm.cli_args import add_kv_policy_args
+    from cords_vllm.integration.startup.cli_args import add_kv_policy_args
 
     assert sum(a.dest == "kv_policy" for a in add_kv_policy_args(parser)._actions) == 1
 
@@ -60,8 +60,8 @@ def test_additional_config_form_is_validated_at_engine_creation(tiny_model):
 
 
 def test_conflicting_forms_are_rejected():
-    from cords_vllm.cli_args import merge_into_additional_config
     from cords_vllm.config import KVPolicyConfigError
+    from cords_vllm.integration.startup.cli_args import merge_into_additional_config
 
     with pytest.raises(KVPolicyConfigError, match="conflicts"):
         merge_into_additional_config({"kv_policy": "uniform"}, "cords", None)
@@ -74,7 +74,7 @@ def test_engine_changes_are_returned_for_the_startup_line(tiny_model, monkeypatc
     from vllm.platforms import current_platform
 
     from cords_vllm.config import KVPolicyConfig
-    from cords_vllm.engine.engine_args import adjust_engine_args
+    from cords_vllm.integration.startup.engine_args import adjust_engine_args
 
     policy = KVPolicyConfig.parse("cords", None)
     args = EngineArgs(model=tiny_model)

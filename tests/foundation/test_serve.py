@@ -2,8 +2,8 @@
 
 import pytest
 
-from cords_vllm.serving.process import VLLMServer, group_alive
-from cords_vllm.synthetic import make_video, mp4_data_url
+from cords_vllm.lab.serving.process import VLLMServer, group_alive
+from cords_vllm.lab.synthetic import make_video, mp4_data_url
 
 pytestmark = pytest.mark.server
 

@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from cords_vllm.bench.http import scrape
-from cords_vllm.observability import METRICS, PUBLISH_INTERVAL_S, await_published
-from cords_vllm.serving.process import VLLMServer
-from cords_vllm.synthetic import make_video, mp4_data_url
+from cords_vllm.integration.published import COUNTERS as PUBLISHED_COUNTERS
+from cords_vllm.integration.published import PUBLISH_INTERVAL_S, await_published
+from cords_vllm.lab.bench.http import scrape
+from cords_vllm.lab.serving.process import VLLMServer
+from cords_vllm.lab.synthetic import make_video, mp4_data_url
 
 pytestmark = pytest.mark.server
 
@@ -24,7 +25,7 @@ ARGS = ["--kv-policy", "cords", "--kv-policy-config", '{"budget": 256, "slack": 
         "--enforce-eager", "--max-model-len", "4096", "--block-size", "32", "--max-num-scheduled-tokens", "512",
         "--kv-cache-memory-bytes", str(128 << 20), "--limit-mm-per-prompt", '{"image": 0, "video": 1}',
         "--api-server-count", "2"]
-COUNTERS = [f"cords_vllm_{name}_total" for name in METRICS]
+COUNTERS = [f"cords_vllm_{name}_total" for name in PUBLISHED_COUNTERS]
 
 
 def test_two_api_servers_log_at_debug_and_report_the_same_counters(tiny_model):

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from cords_vllm.config import KVPolicyConfig, KVPolicyConfigError, kv_policy_args
-from cords_vllm.inprocess import make_llm
-from cords_vllm.startup_checks import (
+from cords_vllm.integration.inprocess.llm import make_llm
+from cords_vllm.integration.startup.checks import (
     EngineFacts,
     check_attention,
     check_budget,
@@ -130,8 +130,8 @@ def test_pure_checks_refuse_naming_what_to_change():
 
 
 def test_check_engine_runs_every_check_and_skips_none():
-    assert check_engine(KVPolicyConfig.parse("cords", {"budget": 256}), FACTS) == []
-    assert check_engine(KVPolicyConfig.parse("none", None), EngineFacts("m", 1, 8, False)) == []
-    assert check_engine(KVPolicyConfig.parse("cords", {"budget": 256, "anchors": "all"}), FACTS) == []
+    check_engine(KVPolicyConfig.parse("cords", {"budget": 256}), FACTS)
+    check_engine(KVPolicyConfig.parse("none", None), EngineFacts("m", 1, 8, False))
+    check_engine(KVPolicyConfig.parse("cords", {"budget": 256, "anchors": "all"}), FACTS)
     with pytest.raises(KVPolicyConfigError, match=r"'anchors'.*0\.\.3"):
         check_engine(KVPolicyConfig.parse("cords", {"budget": 256, "anchors": [4]}), FACTS)

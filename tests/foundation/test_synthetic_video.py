@@ -3,7 +3,7 @@ import itertools
 import numpy as np
 import pytest
 
-from cords_vllm.synthetic import encode_mp4, jpeg_frames_data_url, make_video, video_tokens
+from cords_vllm.lab.synthetic import encode_mp4, jpeg_frames_data_url, make_video, video_tokens
 
 
 def test_same_seed_same_bytes_and_different_seed_differs():

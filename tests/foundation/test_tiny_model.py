@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from cords_vllm.synthetic import TinyModelSpec, build_tiny_qwen2vl
+from cords_vllm.lab.synthetic import TinyModelSpec, build_tiny_qwen2vl
 
 
 def test_geometry_is_a_parameter_and_builds_are_cached(tmp_path):

@@ -7,7 +7,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cords_vllm.metrics import attention_error, nearest_kept
+from cords_vllm.lab.fidelity import attention_error, nearest_kept
 from cords_vllm.selection import get_selector
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

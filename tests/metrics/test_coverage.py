@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cords_vllm.metrics import (
+from cords_vllm.lab.fidelity import (
     coverage_cdf,
     coverage_curves,
     dominates,
@@ -13,8 +13,8 @@ from cords_vllm.metrics import (
     nearest_kept_cosine_distance,
     plot_coverage_cdfs,
 )
+from cords_vllm.lab.synthetic.kv import make_synthetic_kv
 from cords_vllm.selection import get_selector
-from cords_vllm.synthetic.kv import make_synthetic_kv
 
 
 def rand_kv(seed: int, b: int = 2, h: int = 2, n: int = 40, d: int = 6):

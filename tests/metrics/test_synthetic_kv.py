@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cords_vllm.synthetic.kv import make_synthetic_kv
+from cords_vllm.lab.synthetic.kv import make_synthetic_kv
 
 
 def test_deterministic_and_shaped() -> None:

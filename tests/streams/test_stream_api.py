@@ -12,12 +12,12 @@ import urllib.request
 import numpy as np
 import pytest
 
-from cords_vllm.bench.http import scrape
 from cords_vllm.client import StreamAPIError, StreamClient, frame_data_url
 from cords_vllm.compress.plan import BudgetSettings, compressed_footprint_blocks
-from cords_vllm.serving.process import VLLMServer
-from cords_vllm.synthetic import encode_mp4, make_video
-from cords_vllm.vqa import shipped_checkpoint
+from cords_vllm.lab.bench.http import scrape
+from cords_vllm.lab.serving.process import VLLMServer
+from cords_vllm.lab.synthetic import encode_mp4, make_video
+from cords_vllm.lab.vqa import shipped_checkpoint
 
 pytestmark = pytest.mark.server
 
@@ -246,7 +246,7 @@ def test_a_turn_past_max_text_tokens_is_refused_and_the_stream_lives(server, cli
     The API server's count must equal the engine's: one token short and the engine would end the stream."""
     from transformers import AutoTokenizer
 
-    from cords_vllm.streams.transcript import ASSISTANT, END, SYSTEM, USER
+    from cords_vllm.conversation.transcript import ASSISTANT, END, SYSTEM, USER
 
     tokenizer = AutoTokenizer.from_pretrained(shipped_checkpoint())
 

@@ -10,9 +10,15 @@ import pytest
 
 from cords_vllm.client import encode_frame, frame_data_url
 from cords_vllm.config import KVPolicyConfig, KVPolicyConfigError
-from cords_vllm.streams.frames import FrameError, decode_clip, decode_image, parse_data_url, stack_frames
-from cords_vllm.streams.transcript import ASSISTANT, END, SYSTEM, USER, VIDEO, Transcript
-from cords_vllm.vqa.prompt import build_prompt
+from cords_vllm.conversation.transcript import ASSISTANT, END, SYSTEM, USER, VIDEO, Transcript
+from cords_vllm.integration.api_server.streams.frames import (
+    FrameError,
+    decode_clip,
+    decode_image,
+    parse_data_url,
+    stack_frames,
+)
+from cords_vllm.lab.vqa.prompt import build_prompt
 
 
 def test_a_stream_with_one_clip_and_a_question_is_the_one_shot_prompt():
@@ -105,7 +111,7 @@ def test_the_stream_routes_exist_exactly_when_switched_on(argv, on):
 
 
 def _registry(policy: str, config: dict | None, pool_blocks: int, max_streams: int = 64):
-    from cords_vllm.streams.registry import StreamLimits, StreamRegistry
+    from cords_vllm.integration.api_server.streams.registry import StreamLimits, StreamRegistry
 
     return StreamRegistry(engine=None, limits=StreamLimits(max_streams=max_streams),
                           policy=KVPolicyConfig.parse(policy, config), block_size=32, pool_blocks=pool_blocks,
@@ -115,7 +121,7 @@ def _registry(policy: str, config: dict | None, pool_blocks: int, max_streams: i
 def test_streams_are_admitted_while_their_footprints_fit_the_pool():
     """Opening a stream touches no engine; admission is pure bookkeeping over footprints."""
     from cords_vllm.compress.plan import BudgetSettings, stream_footprint_blocks
-    from cords_vllm.streams.registry import TooManyStreams
+    from cords_vllm.integration.api_server.streams.registry import TooManyStreams
 
     config = {"budget": 256, "recent": 64, "slack": 64, "max_text_tokens": 128}
     reg = _registry("cords", config, pool_blocks=60)
@@ -133,7 +139,7 @@ def test_streams_are_admitted_while_their_footprints_fit_the_pool():
 
 
 def test_under_none_a_stream_is_admitted_as_a_max_model_len_request():
-    from cords_vllm.streams.registry import TooManyStreams
+    from cords_vllm.integration.api_server.streams.registry import TooManyStreams
 
     reg = _registry("none", None, pool_blocks=300)
     assert reg.footprint_blocks() == 4096 // 32
@@ -144,7 +150,7 @@ def test_under_none_a_stream_is_admitted_as_a_max_model_len_request():
 
 
 def test_the_cap_on_open_streams_applies_first():
-    from cords_vllm.streams.registry import TooManyStreams
+    from cords_vllm.integration.api_server.streams.registry import TooManyStreams
 
     reg = _registry("cords", {"budget": 64, "max_text_tokens": 64}, pool_blocks=1000, max_streams=2)
     reg.open()
@@ -154,8 +160,8 @@ def test_the_cap_on_open_streams_applies_first():
 
 
 def test_frames_may_be_openai_image_parts():
-    from cords_vllm.streams.api import _decode
-    from cords_vllm.streams.registry import StreamLimits
+    from cords_vllm.integration.api_server.streams.api import _decode
+    from cords_vllm.integration.api_server.streams.registry import StreamLimits
 
     url = frame_data_url(np.full((56, 56, 3), 200, np.uint8), "png")
     frames = _decode([{"type": "image_url", "image_url": {"url": url}}, url], None, StreamLimits())

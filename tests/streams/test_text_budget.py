@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from cords_vllm.config import KVPolicyConfig
-from cords_vllm.streams.text_budget import TextBudget, TextRoomExceeded, protected_token_counter
-from cords_vllm.streams.transcript import ASSISTANT, END, SYSTEM, USER, VIDEO, Transcript
+from cords_vllm.conversation.text_budget import TextBudget, TextRoomExceeded, protected_token_counter
+from cords_vllm.conversation.transcript import ASSISTANT, END, SYSTEM, USER, VIDEO, Transcript
 
 #: A toy tokenizer: one token per character, so counts are easy to check by hand; specials are single tokens.
 SPECIALS = {"<|vision_start|>": 1, "<|video_pad|>": 2, "<|vision_end|>": 3, "<|im_start|>": 4, "<|im_end|>": 5}
@@ -72,7 +72,7 @@ def test_a_whole_conversation_counts_what_the_engine_keeps():
 
 
 def _registry(policy: str, config: dict | None, count_text=len):
-    from cords_vllm.streams.registry import StreamLimits, StreamRegistry
+    from cords_vllm.integration.api_server.streams.registry import StreamLimits, StreamRegistry
 
     return StreamRegistry(engine=None, limits=StreamLimits(), policy=KVPolicyConfig.parse(policy, config),
                           block_size=32, pool_blocks=10_000, max_model_len=4096, count_text=count_text)

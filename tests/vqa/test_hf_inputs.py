@@ -8,10 +8,10 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from cords_vllm.vqa import FAMILIES, VideoGeometry, make_example, shipped_checkpoint  # noqa: E402
-from cords_vllm.vqa.hf import HFEncoder, answer_logits, fast_vision_attention, patchify  # noqa: E402
-from cords_vllm.vqa.positions import mrope_positions  # noqa: E402
-from cords_vllm.vqa.prompt import build_prompt  # noqa: E402
+from cords_vllm.lab.vqa import FAMILIES, VideoGeometry, make_example, shipped_checkpoint  # noqa: E402
+from cords_vllm.lab.vqa.hf import HFEncoder, answer_logits, fast_vision_attention, patchify  # noqa: E402
+from cords_vllm.lab.vqa.positions import mrope_positions  # noqa: E402
+from cords_vllm.lab.vqa.prompt import build_prompt  # noqa: E402
 
 GEOMETRY = VideoGeometry(num_frames=8, size=56)
 

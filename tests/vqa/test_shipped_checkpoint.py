@@ -1,6 +1,6 @@
 """The shipped video-QA checkpoint loads in the real vLLM engine and answers as recorded.
 
-``cords_vllm/assets/tiny_vqa/training.json`` records, for the ``test`` split (a few examples per family,
+``cords_vllm/lab/assets/tiny_vqa/training.json`` records, for the ``test`` split (a few examples per family,
 64 frames), the data fingerprint and the predictions vLLM gave when the checkpoint was measured. This test
 regenerates that split, serves it through an in-process engine (fp32, full KV cache) and checks the
 accuracy against the record (and a floor). Nothing is trained here.
@@ -14,7 +14,7 @@ import os
 import numpy as np
 import pytest
 
-from cords_vllm.vqa import (
+from cords_vllm.lab.vqa import (
     FAMILIES,
     CountFamily,
     Family,
@@ -61,7 +61,7 @@ def test_split(record):
         h.update(np.ascontiguousarray(e.frames).tobytes())
     assert h.hexdigest() == rec["fingerprint"], (
         "the task generator no longer produces the data the checkpoint was measured on; "
-        "re-measure with `benchmarks/train_vqa.py --eval-only cords_vllm/assets/tiny_vqa`")
+        "re-measure with `benchmarks/train_vqa.py --eval-only cords_vllm/lab/assets/tiny_vqa`")
     return examples, rec
 
 
@@ -78,7 +78,7 @@ def test_record_describes_checkpoint(record) -> None:
 
 def test_shipped_checkpoint_answers_in_vllm(test_split, record) -> None:
     examples, rec = test_split
-    from cords_vllm.vqa.serving import engine_kwargs, predict_vllm
+    from cords_vllm.lab.vqa.serving import engine_kwargs, predict_vllm
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

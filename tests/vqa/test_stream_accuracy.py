@@ -8,9 +8,9 @@ import gc
 import numpy as np
 import pytest
 
-from cords_vllm.bench.accuracy import EngineShape, blank_needles
-from cords_vllm.bench.stream_accuracy import plan_stream, run_stream_policy, run_streams, stream_engine_args
-from cords_vllm.vqa import make_split, shipped_checkpoint
+from cords_vllm.lab.bench.accuracy import EngineShape, blank_needles
+from cords_vllm.lab.bench.stream_accuracy import plan_stream, run_stream_policy, run_streams, stream_engine_args
+from cords_vllm.lab.vqa import make_split, shipped_checkpoint
 
 pytestmark = pytest.mark.engine
 
@@ -51,15 +51,15 @@ def test_the_question_follows_the_needle_by_the_delay_and_the_video_is_pushed_un
 def test_full_kv_stream_answers_equal_one_shot_requests_over_the_same_tokens(plans):
     from vllm import SamplingParams
 
-    from cords_vllm.inprocess import make_llm
-    from cords_vllm.introspect import snapshot
+    from cords_vllm.integration.inprocess.introspect import snapshot
+    from cords_vllm.integration.inprocess.llm import make_llm
 
     kwargs = stream_engine_args(shipped_checkpoint(), plans, SHAPE)
     llm = make_llm(kwargs.pop("model"), **kwargs)
     free = snapshot(llm).free_blocks
     streams = run_streams(llm, plans, batch=3)  # fewer slots than streams: one starts when another answered
     assert [s.video_tokens for s in streams] == [len(p.clips) * TOKENS_PER_PUSH for p in plans]
-    assert [s.held_video_tokens for s in streams] == [s.video_tokens for s in streams]
+    assert [s.held_candidate_tokens for s in streams] == [s.video_tokens for s in streams]
     outs = llm.generate([p.one_shot_request() for p in plans], SamplingParams(temperature=0.0, max_tokens=1),
                         use_tqdm=False)
     assert [s.answer for s in streams] == [o.outputs[0].text for o in outs]
@@ -75,4 +75,4 @@ def test_streams_under_cords_hold_at_most_the_budget_when_answering(plans):
     for plan, stream in zip(plans, streams, strict=True):
         assert stream.video_tokens == len(plan.clips) * TOKENS_PER_PUSH
         # the kept old tokens are rounded up to whole blocks and the region ends at a block boundary
-        assert budget <= stream.held_video_tokens <= budget + 2 * SHAPE.block_size
+        assert budget <= stream.held_candidate_tokens <= budget + 2 * SHAPE.block_size

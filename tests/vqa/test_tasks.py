@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cords_vllm.vqa import (
+from cords_vllm.lab.vqa import (
     COLOUR_NAMES,
     COLOURS,
     FAMILIES,
@@ -21,7 +21,7 @@ from cords_vllm.vqa import (
     make_split,
     plan_example,
 )
-from cords_vllm.vqa.video import TOKEN_PIXELS
+from cords_vllm.lab.vqa.video import TOKEN_PIXELS
 
 SMALL = VideoGeometry(num_frames=16, size=56)
 
@@ -187,7 +187,7 @@ def test_prompt_is_the_chat_template_rendering() -> None:
     pytest.importorskip("transformers")
     from transformers import AutoTokenizer
 
-    from cords_vllm.vqa import shipped_checkpoint
+    from cords_vllm.lab.vqa import shipped_checkpoint
 
     tok = AutoTokenizer.from_pretrained(shipped_checkpoint())
     ex = make_example("colour", 0, geometry=SMALL)

@@ -1,0 +1,1 @@
+"""API-server processes: the stream API (:mod:`~.streams`) and the ``/metrics`` collector (:mod:`~.metrics`)."""

@@ -1,0 +1,418 @@
+"""The stream API's HTTP surface: ``/v1/streams`` on vLLM's OpenAI-compatible server.
+
+===========================================  ==========================================================
+``POST   /v1/streams``                        open a stream (optional ``kv_policy`` overrides, ``metadata``)
+``GET    /v1/streams``                        list open streams, with the KV each holds
+``GET    /v1/streams/{stream_id}``            one stream
+``POST   /v1/streams/{stream_id}/frames``     append frames: JSON (``frames``: image data URLs, or ``video``:
+                                              a clip's data URL) or ``multipart/form-data`` (``frames`` files
+                                              or one ``video`` file); answers once the engine has them
+``POST   /v1/streams/{stream_id}/ask``        ask about everything streamed so far: a ``chat.completion``, or
+                                              with ``"stream": true`` server-sent ``chat.completion.chunk``\\ s
+``DELETE /v1/streams/{stream_id}``            close: the engine frees every block of the stream
+===========================================  ==========================================================
+
+Errors use vLLM's error body (``{"error": {"message", "type", "param", "code"}}``) with ``param`` naming the
+offending field. Routes live under ``/v1``, so vLLM's ``--api-key`` middleware guards them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.requests import ClientDisconnect
+
+from cords_vllm.conversation.text_budget import TextRoomExceeded
+from cords_vllm.integration.api_server.streams.frames import (
+    IMAGE_TYPES,
+    VIDEO_TYPES,
+    FrameError,
+    check_frame_size,
+    decode_clip,
+    decode_image,
+    parse_data_url,
+    stack_frames,
+)
+from cords_vllm.integration.api_server.streams.live import LiveStream, StreamEnded
+from cords_vllm.integration.api_server.streams.registry import StreamNotFound, StreamRegistry, TooManyStreams
+from cords_vllm.integration.published import HeldKV, read_published
+
+STATE_KEY = "cords_vllm_streams"
+router = APIRouter(prefix="/v1/streams", tags=["streams (cords-vllm)"])
+
+
+# ------------------------------------------------------------------------------------------------------
+# Request and response bodies
+class KVPolicyOverrides(BaseModel):
+    """Per-stream narrowing of the server's policy: each value at most the server's."""
+
+    model_config = ConfigDict(extra="forbid")
+    budget: int | None = Field(None, ge=1, description="video tokens kept after compression")
+    recent: int | None = Field(None, ge=0, description="newest video tokens always kept")
+
+
+class OpenStreamRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    kv_policy: KVPolicyOverrides | None = None
+    metadata: dict[str, str] | None = Field(None, description="free-form labels shown in listings")
+
+
+class AppendFramesRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    frames: list[str | dict[str, Any]] | None = Field(
+        None, description="frames as data URLs (image/jpeg or image/png), or OpenAI image parts "
+                          "{'type': 'image_url', 'image_url': {'url': <data URL>}}")
+    video: str | None = Field(None, description="a short clip as a data URL (video/mp4, video/jpeg, ...)")
+
+
+class AskRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    question: str = Field(..., min_length=1)
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(0.0, ge=0.0, le=2.0)
+    seed: int | None = None
+    stream: bool = False
+
+
+class KVHeld(BaseModel):
+    blocks: int = Field(description="paged KV blocks the stream holds")
+    tokens: int = Field(description="tokens whose KV the stream holds")
+    stream_tokens: int = Field(description="tokens streamed so far (the stream's logical length)")
+    block_size: int
+
+
+class StreamObject(BaseModel):
+    id: str
+    object: str = "stream"
+    created: int
+    model: str
+    status: str = Field(description="'idle', 'busy' (a turn is running) or 'ended'")
+    ended_reason: str | None = None
+    frames: int
+    clips: int
+    questions: int
+    pending_frames: int = Field(description="an odd trailing frame held back until the next push")
+    idle_seconds: float
+    expires_in_seconds: float | None
+    kv_policy: dict[str, Any]
+    footprint_blocks: int = Field(description="the most KV blocks this stream can ever hold (admission)")
+    text_tokens: int = Field(description="protected (never evicted) tokens the stream holds: its text, "
+                                         "questions and kept answers")
+    max_text_tokens: int | None = Field(description="the most protected tokens it may hold (kv_policy_config "
+                                                    "'max_text_tokens'); a push or question that could pass it "
+                                                    "is refused with a 409; null: not checked")
+    kv: KVHeld | None = Field(description="KV held now (published by the engine at most ~0.5 s ago); null "
+                                          "before the engine has seen the stream")
+    metadata: dict[str, str]
+
+
+class Capacity(BaseModel):
+    pool_blocks: int | None = Field(description="usable blocks of the KV pool")
+    committed_blocks: int = Field(description="the most blocks the open streams may hold together")
+    stream_footprint_blocks: int = Field(description="the most blocks a stream with the server's policy may hold")
+    max_streams: int = Field(description="streams of that footprint this server admits at once")
+    open_streams: int
+
+
+class StreamList(BaseModel):
+    object: str = "list"
+    data: list[StreamObject]
+    capacity: Capacity
+
+
+class AppendFramesResponse(BaseModel):
+    stream: StreamObject
+    frames_received: int
+    frames_sent: int = Field(description="frames the engine prefilled in this push (an odd last frame waits)")
+    seconds: float = Field(description="wall time from receipt to the engine having the frames")
+
+
+class StreamDeleted(BaseModel):
+    id: str
+    object: str = "stream.deleted"
+    deleted: bool = True
+    stream: StreamObject
+
+
+# ------------------------------------------------------------------------------------------------------
+class APIError(Exception):
+    """An error answered with vLLM's error body; ``param`` names the offending field."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.kind = kind or {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+                             409: "ConflictError", 410: "GoneError", 413: "RequestTooLargeError",
+                             415: "UnsupportedMediaTypeError", 429: "RateLimitError"}.get(status, "Error")
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(status_code=self.status, content={"error": {
+            "message": self.message, "type": self.kind, "param": self.param, "code": self.status}})
+
+
+def _registry(request: Request) -> StreamRegistry:
+    registry = getattr(request.app.state, STATE_KEY, None)
+    if registry is None:
+        raise APIError(503, "the stream API has no engine on this server", kind="ServiceUnavailableError")
+    return registry
+
+
+def _stream(request: Request, stream_id: str, *, alive: bool = True) -> LiveStream:
+    try:
+        stream = _registry(request).get(stream_id)
+    except StreamNotFound as exc:
+        raise APIError(404, str(exc), "stream_id") from None
+    if alive and stream.ended:
+        raise APIError(410, f"stream {stream_id!r} has ended: {stream.ended}; delete it and open a new one",
+                       "stream_id")
+    return stream
+
+
+def describe(registry: StreamRegistry, stream: LiveStream, held: Mapping[str, HeldKV] | None = None
+             ) -> StreamObject:
+    """The API's view of one stream (``held``: what the engine published streams hold, by stream id)."""
+    held = read_published().streams if held is None else held
+    kv = held.get(stream.id)
+    idle = stream.idle_seconds()
+    status = "ended" if stream.ended else ("busy" if stream.busy else "idle")
+    return StreamObject(
+        id=stream.id, created=int(stream.created), model=registry.model_name, status=status,
+        ended_reason=stream.ended, frames=stream.stats.frames, clips=stream.stats.clips,
+        questions=stream.stats.questions,
+        pending_frames=0 if stream.pending_frames is None else len(stream.pending_frames),
+        idle_seconds=round(idle, 3),
+        expires_in_seconds=None if stream.busy else round(max(0.0, registry.limits.idle_timeout_s - idle), 3),
+        kv_policy=registry.policy_of(stream), footprint_blocks=stream.footprint_blocks,
+        text_tokens=stream.text.held, max_text_tokens=stream.text.limit,
+        kv=None if kv is None or stream.ended else KVHeld(blocks=kv.blocks, tokens=kv.tokens,
+                                                          stream_tokens=kv.stream_tokens,
+                                                          block_size=registry.block_size),
+        metadata=stream.metadata)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Routes
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"description": text} for code, text in (
+        (400, "invalid input; `error.param` names the field"), (401, "missing or wrong API key"),
+        (404, "no such stream"),
+        (409, "the push or question could take the stream past its max_text_tokens: refused, the stream is "
+              "unchanged"), (410, "the stream has ended (`error.message` says why)"),
+        (429, "the cap on open streams is reached, or the KV pool is committed to the open streams"))}
+
+
+@router.post("", status_code=201, response_model=StreamObject, responses=_ERRORS,
+             summary="Open a live video stream")
+async def open_stream(request: Request, body: OpenStreamRequest | None = None) -> Any:
+    registry = _registry(request)
+    body = body or OpenStreamRequest()
+    overrides = body.kv_policy.model_dump(exclude_none=True) if body.kv_policy else {}
+    if overrides:
+        error = registry.check_overrides(overrides)
+        if error is not None:
+            raise APIError(400, error[1], f"kv_policy.{error[0]}")
+    try:
+        stream = registry.open(overrides=overrides or None, metadata=body.metadata)
+    except TooManyStreams as exc:
+        raise APIError(429, str(exc)) from None
+    return describe(registry, stream, {})
+
+
+@router.get("", response_model=StreamList, responses=_ERRORS, summary="List open streams and the KV each holds")
+async def list_streams(request: Request) -> Any:
+    registry = _registry(request)
+    held = read_published().streams
+    return StreamList(data=[describe(registry, s, held) for s in list(registry.streams.values())],
+                      capacity=Capacity(**registry.capacity()))
+
+
+@router.get("/{stream_id}", response_model=StreamObject, responses=_ERRORS, summary="One stream")
+async def get_stream(request: Request, stream_id: str) -> Any:
+    return describe(_registry(request), _stream(request, stream_id, alive=False))
+
+
+@router.delete("/{stream_id}", response_model=StreamDeleted, responses=_ERRORS,
+               summary="Close a stream and free its KV")
+async def delete_stream(request: Request, stream_id: str) -> Any:
+    registry = _registry(request)
+    stream = _stream(request, stream_id, alive=False)
+    await registry.close(stream_id)
+    return StreamDeleted(id=stream_id, stream=describe(registry, stream, {}))
+
+
+_FRAMES_BODY = {"requestBody": {"content": {
+    "application/json": {"schema": AppendFramesRequest.model_json_schema()},
+    "multipart/form-data": {"schema": {"type": "object", "properties": {
+        "frames": {"type": "array", "items": {"type": "string", "format": "binary"},
+                   "description": "JPEG or PNG frames, in time order"},
+        "video": {"type": "string", "format": "binary", "description": "one short clip"}}}},
+}, "required": True}}
+
+
+@router.post("/{stream_id}/frames", response_model=AppendFramesResponse, responses=_ERRORS,
+             openapi_extra=_FRAMES_BODY, summary="Append frames (images or a short clip) to a stream")
+async def append_frames(request: Request, stream_id: str) -> Any:
+    registry = _registry(request)
+    stream = _stream(request, stream_id)
+    t0 = time.perf_counter()
+    frames = await _read_frames(request, registry)
+    if stream.ended:
+        raise APIError(410, f"stream {stream_id!r} has ended: {stream.ended}", "stream_id")
+    try:
+        sent = await stream.append(frames)
+    except StreamEnded as exc:
+        raise APIError(410, f"stream {stream_id!r} has ended: {exc}", "stream_id") from None
+    except TextRoomExceeded as exc:
+        raise APIError(409, f"stream {stream_id!r}: {exc}. Nothing was appended; the stream can take no more "
+                            f"frames after this answer: open a new stream", "stream_id") from None
+    return AppendFramesResponse(stream=describe(registry, stream), frames_received=len(frames), frames_sent=sent,
+                                seconds=round(time.perf_counter() - t0, 4))
+
+
+async def _read_frames(request: Request, registry: StreamRegistry) -> Any:
+    """The request's frames as ``[T, H, W, 3]`` uint8, decoded in a worker thread."""
+    try:
+        return await _decode_body(request, registry)
+    except ClientDisconnect:  # the client vanished mid-upload: nothing was appended, nobody to answer
+        raise APIError(400, "the client disconnected before its frames arrived", "body") from None
+
+
+async def _decode_body(request: Request, registry: StreamRegistry) -> Any:
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    limits = registry.limits
+    if content_type == "multipart/form-data":
+        form = await request.form()
+        files = form.getlist("frames")
+        video = form.get("video")
+        if unknown := sorted(set(form.keys()) - {"frames", "video"}):
+            raise APIError(400, f"unknown form field {unknown[0]!r}; send 'frames' files or one 'video' file",
+                           unknown[0])
+        items = [(await f.read(), f"frames[{i}]") for i, f in enumerate(files) if hasattr(f, "read")]
+        if len(items) != len(files):
+            raise APIError(400, "'frames' must be uploaded files", "frames")
+        clip = (await video.read(), (getattr(video, "content_type", "") or "video/mp4").lower()) \
+            if hasattr(video, "read") else None
+        if video is not None and clip is None:
+            raise APIError(400, "'video' must be an uploaded file", "video")
+    elif content_type in ("application/json", ""):
+        try:
+            body = AppendFramesRequest.model_validate(await request.json())
+        except json.JSONDecodeError:
+            raise APIError(400, "the body is not valid JSON", "body") from None
+        except ValueError as exc:
+            field = _first_loc(exc)
+            raise APIError(400, f"invalid field {field!r}: {exc}".splitlines()[0], field) from None
+        items, clip = body.frames or [], body.video
+    else:
+        raise APIError(415, f"content type {content_type!r} is not supported; send application/json or "
+                            f"multipart/form-data", "content-type")
+    if bool(items) == (clip is not None):
+        raise APIError(400, "send either 'frames' (one or more images) or 'video' (one clip)",
+                       "frames" if not items else "video")
+    if len(items) > limits.max_frames_per_push:
+        raise APIError(413, f"{len(items)} frames in one push; at most {limits.max_frames_per_push} "
+                            f"(--kv-stream-max-frames)", "frames")
+    try:
+        return await asyncio.to_thread(_decode, items, clip, limits)
+    except FrameError as exc:
+        raise APIError(400, str(exc), exc.field) from None
+
+
+def _decode(items: list[Any], clip: Any, limits: Any) -> Any:
+    if items:
+        images = []
+        for i, item in enumerate(items):
+            if isinstance(item, tuple):  # an uploaded file: (bytes, field)
+                images.append(decode_image(item[0], item[1]))
+            else:
+                _, data = parse_data_url(_image_url(item), f"frames[{i}]", IMAGE_TYPES)
+                images.append(decode_image(data, f"frames[{i}]"))
+        frames = stack_frames(images, "frames")
+        field = "frames"
+    else:
+        if isinstance(clip, tuple):
+            media_type = clip[1] if clip[1] in VIDEO_TYPES else "video/mp4"
+            frames = decode_clip(media_type, clip[0], "video")
+        else:
+            media_type, data = parse_data_url(clip, "video", VIDEO_TYPES)
+            frames = decode_clip(media_type, data, "video")
+        field = "video"
+    if len(frames) > limits.max_frames_per_push:
+        raise FrameError(field, f"{len(frames)} frames in one push; at most {limits.max_frames_per_push}")
+    check_frame_size(frames, field, min_side=limits.min_frame_side, max_pixels=limits.max_frame_pixels)
+    return frames
+
+
+def _image_url(item: str | dict[str, Any]) -> Any:
+    """The URL of a frame given as a string or as an OpenAI ``image_url`` content part."""
+    if isinstance(item, dict):
+        part = item.get("image_url", item)
+        return part.get("url") if isinstance(part, dict) else part
+    return item
+
+
+def _first_loc(exc: Exception) -> str:
+    errors = getattr(exc, "errors", None)
+    if callable(errors) and errors():
+        return ".".join(str(p) for p in errors()[0].get("loc", ())) or "body"
+    return "body"
+
+
+@router.post("/{stream_id}/ask", responses={**_ERRORS, 200: {
+    "description": "a chat.completion, or with `stream: true` server-sent chat.completion.chunk events",
+    "content": {"text/event-stream": {}}}}, summary="Ask a question about everything streamed so far")
+async def ask(request: Request, stream_id: str, body: AskRequest) -> Any:
+    registry = _registry(request)
+    stream = _stream(request, stream_id)
+    if body.max_tokens > registry.limits.max_answer_tokens:
+        raise APIError(400, f"max_tokens is {body.max_tokens}; at most {registry.limits.max_answer_tokens}",
+                       "max_tokens")
+    try:
+        turn = await stream.ask(body.question, max_tokens=body.max_tokens, temperature=body.temperature,
+                                seed=body.seed)
+    except StreamEnded as exc:
+        raise APIError(410, f"stream {stream_id!r} has ended: {exc}", "stream_id") from None
+    except TextRoomExceeded as exc:
+        raise APIError(409, f"stream {stream_id!r}: {exc}. Nothing was asked and the stream is unchanged: ask "
+                            f"a shorter question, lower max_tokens, or open a new stream", "question") from None
+    completion_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+    created = int(time.time())
+    if body.stream:
+        return StreamingResponse(_sse(turn, completion_id, created, registry.model_name, stream_id),
+                                 media_type="text/event-stream")
+    try:
+        result = await turn.wait()
+    except StreamEnded as exc:
+        raise APIError(410, f"stream {stream_id!r} has ended: {exc}", "stream_id") from None
+    return {"id": completion_id, "object": "chat.completion", "created": created, "model": registry.model_name,
+            "stream_id": stream_id,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text},
+                         "finish_reason": result.finish_reason}],
+            "usage": {"completion_tokens": len(result.token_ids)}}
+
+
+async def _sse(turn: Any, completion_id: str, created: int, model: str, stream_id: str) -> AsyncIterator[str]:
+    def chunk(delta: dict[str, Any], finish: str | None) -> str:
+        return "data: " + json.dumps({
+            "id": completion_id, "object": "chat.completion.chunk", "created": created, "model": model,
+            "stream_id": stream_id, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}) + "\n\n"
+
+    yield chunk({"role": "assistant", "content": ""}, None)
+    try:
+        async for text, _, finish in turn.deltas():
+            if text:
+                yield chunk({"content": text}, None)
+            if finish is not None:
+                yield chunk({}, finish)
+    except StreamEnded as exc:
+        yield "data: " + json.dumps({"error": {"message": f"stream {stream_id!r} has ended: {exc}",
+                                               "type": "GoneError", "param": "stream_id", "code": 410}}) + "\n\n"
+    yield "data: [DONE]\n\n"

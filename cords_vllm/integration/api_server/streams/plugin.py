@@ -1,0 +1,110 @@
+"""The stream API as a vLLM endpoint plugin (entry-point group ``vllm.endpoint_plugins``).
+
+vLLM 0.32 loads endpoint plugins only when ``VLLM_PLUGINS`` names them, and that variable also narrows the
+*general* plugins every process loads to the same list, so it cannot be the switch of a plugin that must run
+everywhere. The stream API is therefore on whenever ``--kv-policy`` is given (any policy, ``none``
+included, so policies compare through the same API), and ``--kv-streams`` / ``--no-kv-streams`` force it on
+or off. The patch table's wrapper of ``attach_endpoint_plugins`` (:func:`make_attach_endpoint_plugins`) adds the plugin
+in ``build_app`` when vLLM's own loading did not;
+``VLLM_PLUGINS=...,cords_vllm_streams`` loads it the upstream way (never twice).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from cords_vllm.config import KVPolicyConfig
+from cords_vllm.conversation.text_budget import protected_token_counter
+from cords_vllm.integration.api_server.streams.api import STATE_KEY, APIError, router
+from cords_vllm.integration.api_server.streams.registry import StreamLimits, StreamRegistry
+from cords_vllm.integration.engine_facts import model_facts_of
+
+logger = logging.getLogger(__name__)
+
+PLUGIN_NAME = "cords_vllm_streams"
+
+
+def streams_enabled(args: argparse.Namespace | None) -> bool:
+    """``--kv-streams`` if given, else whether ``--kv-policy`` was given."""
+    if args is None:
+        return False
+    forced = getattr(args, "kv_streams", None)
+    if forced is not None:
+        return bool(forced)
+    return getattr(args, "kv_policy", None) is not None
+
+
+def limits_from_args(args: argparse.Namespace) -> StreamLimits:
+    defaults = StreamLimits()
+    return StreamLimits(
+        idle_timeout_s=getattr(args, "kv_stream_idle_timeout", None) or defaults.idle_timeout_s,
+        max_streams=getattr(args, "kv_stream_max_open", None) or defaults.max_streams,
+        max_frames_per_push=getattr(args, "kv_stream_max_frames", None) or defaults.max_frames_per_push,
+    )
+
+
+class StreamsPlugin:
+    """``EndpointPlugin``: the ``/v1/streams`` routes and their per-app state (the stream registry)."""
+
+    name = PLUGIN_NAME
+    required_tasks = ("generate",)
+
+    def attach_router(self, app: Any) -> None:
+        app.include_router(router)
+        app.add_exception_handler(APIError, lambda _request, exc: exc.response())
+
+    async def init_state(self, engine_client: Any, state: Any, args: argparse.Namespace) -> None:
+        if engine_client is None:  # the render-only server has no engine: the routes answer 503
+            return
+        vllm_config = engine_client.vllm_config
+        names = getattr(args, "served_model_name", None)
+        model = names[0] if names else vllm_config.model_config.model
+        num_blocks = vllm_config.cache_config.num_gpu_blocks
+        policy = KVPolicyConfig.from_vllm_config(vllm_config)
+        registry = StreamRegistry(engine_client, limits_from_args(args), policy=policy, model_name=model,
+                                  block_size=vllm_config.cache_config.block_size,
+                                  pool_blocks=num_blocks - 1 if num_blocks else None,  # block 0 is the null block
+                                  max_model_len=vllm_config.model_config.max_model_len,
+                                  count_text=_text_counter(engine_client, vllm_config, policy))
+        setattr(state, STATE_KEY, registry)
+        capacity = registry.capacity()
+        logger.info("cords-vllm: stream API on /v1/streams: idle timeout %g s; a stream holds at most %d KV "
+                    "blocks, so %d streams fit the pool of %s blocks (--kv-stream-max-open %d)",
+                    registry.limits.idle_timeout_s, capacity["stream_footprint_blocks"], capacity["max_streams"],
+                    capacity["pool_blocks"], registry.limits.max_streams)
+
+
+def _text_counter(engine_client: Any, vllm_config: Any, policy: KVPolicyConfig) -> Callable[[str], int] | None:
+    """``text -> protected tokens`` of a stream turn's prompt with the served model's tokenizer: every token but
+    the candidates' placeholders and vision markers, which the engine evicts with the clip (the same
+    :class:`~cords_vllm.model_facts.ModelFacts` the scheduler reads); ``None`` without a tokenizer or a video
+    placeholder: the engine alone enforces the text limit."""
+    facts = model_facts_of(vllm_config)
+    try:
+        tokenizer = engine_client.get_tokenizer()
+    except Exception:  # e.g. --skip-tokenizer-init
+        tokenizer = None
+    if tokenizer is None or "video" not in facts.placeholder_token_ids:
+        logger.warning("cords-vllm: no tokenizer or video token id: streams past max_text_tokens are ended by "
+                       "the engine instead of refused")
+        return None
+    return protected_token_counter(lambda text: tokenizer.encode(text, add_special_tokens=False),
+                                   facts.candidate_token_ids(("video",)))
+
+
+def make_attach_endpoint_plugins(original: Callable) -> Callable:
+    def attach_endpoint_plugins(app, supported_tasks, *args, **kwargs):
+        original(app, supported_tasks, *args, **kwargs)
+        plugins = list(getattr(app.state, "endpoint_plugins", None) or [])
+        if not streams_enabled(getattr(app.state, "args", None)) or "generate" not in (supported_tasks or ()):
+            return
+        if any(getattr(p, "name", None) == PLUGIN_NAME for p in plugins):
+            return
+        plugin = StreamsPlugin()
+        plugin.attach_router(app)
+        app.state.endpoint_plugins = [*plugins, plugin]
+        app.openapi_schema = None
+    return attach_endpoint_plugins

@@ -1,0 +1,215 @@
+"""The open streams of one API server: the cap on how many, idle expiry, and lookups.
+
+Streams live in the API-server process that opened them (with ``--api-server-count N`` each server has its
+own streams; a client keeps talking to the server that opened its stream, e.g. through a sticky load
+balancer). An ended stream (closed by the engine, e.g. at ``--max-model-len``) stays listed, with the reason,
+until it is deleted or expires, so a client learns why it ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from cords_vllm.config import REQUEST_OVERRIDES_KEY, KVPolicyConfig, KVPolicyConfigError
+from cords_vllm.conversation.text_budget import TextBudget
+from cords_vllm.integration.api_server.streams.live import LiveStream
+from cords_vllm.utils import cdiv
+
+logger = logging.getLogger(__name__)
+
+#: Removed streams whose fate is remembered for late clients.
+GONE_REMEMBERED = 4096
+
+
+@dataclass(frozen=True)
+class StreamLimits:
+    """Server-side limits of the stream API (``vllm serve`` flags ``--kv-stream-*``)."""
+
+    #: Seconds a stream may stay idle (no request, no running turn) before it expires and frees its KV.
+    idle_timeout_s: float = 300.0
+    #: Most streams open at once on this API server.
+    max_streams: int = 64
+    #: Most frames one append may carry.
+    max_frames_per_push: int = 256
+    #: Most tokens an answer may generate.
+    max_answer_tokens: int = 512
+    #: Smallest frame side (pixels) and largest frame (pixels).
+    min_frame_side: int = 28
+    max_frame_pixels: int = 1920 * 1080
+
+
+class StreamNotFound(KeyError):
+    """No stream with that id on this server; ``reason`` says what became of it when this server knows."""
+
+    def __init__(self, stream_id: str, reason: str | None = None) -> None:
+        super().__init__(stream_id)
+        self.stream_id, self.reason = stream_id, reason
+
+    def __str__(self) -> str:
+        if self.reason:
+            return f"stream {self.stream_id!r} is gone: {self.reason}"
+        return f"stream {self.stream_id!r} does not exist on this server"
+
+
+class TooManyStreams(RuntimeError):
+    """The server's cap on open streams is reached, or the KV pool is committed to the open streams."""
+
+
+class StreamRegistry:
+    """Open streams by id, with the cap and a background expiry task.
+
+    ``policy`` is the server's KV policy, ``model_name`` the name answers carry, ``block_size`` the KV block
+    size, ``pool_blocks`` the usable blocks of the KV pool and ``max_model_len`` the server's.
+
+    **Admission.** Each stream is admitted with the most blocks it can ever hold (:meth:`footprint_blocks`):
+    under a policy its bounded footprint (``max_text_tokens + budget + slack`` plus two blocks, the start-up
+    rule's), under ``none`` a ``--max-model-len`` request. A stream that would take the open streams' total
+    past the pool is refused (429), instead of being admitted and stalling every stream once the pool is full
+    (vLLM does not preempt sessions that wait for their next input). So the pool is never over-committed and
+    a router can place streams by :meth:`capacity`.
+
+    **Text.** Under a policy that evicts video, ``count_text`` (``text -> protected tokens`` of a turn's
+    prompt, see :func:`~cords_vllm.conversation.text_budget.protected_token_counter`) lets each stream refuse a
+    turn that would take it past ``max_text_tokens`` before the engine would end it; ``None`` leaves that to
+    the engine.
+    """
+
+    def __init__(self, engine: Any, limits: StreamLimits, *, policy: KVPolicyConfig | None = None,
+                 model_name: str = "", block_size: int = 16, pool_blocks: int | None = None,
+                 max_model_len: int = 1 << 30, count_text: Callable[[str], int] | None = None) -> None:
+        self.engine = engine
+        self.limits = limits
+        self.policy = policy or KVPolicyConfig()
+        self.model_name = model_name
+        self.block_size = block_size
+        self.pool_blocks = pool_blocks
+        self.max_model_len = max_model_len
+        self.count_text = count_text
+        self.streams: dict[str, LiveStream] = {}
+        self.expired = 0
+        #: Why recently removed streams went (bounded), so a late client is told "expired", not "unknown".
+        self.gone: OrderedDict[str, str] = OrderedDict()
+        self._reaper: asyncio.Task | None = None
+
+    def footprint_blocks(self, overrides: dict[str, Any] | None = None) -> int:
+        """The most KV blocks one stream (with these ``kv_policy`` overrides) can ever hold."""
+        if not self.policy.enabled:
+            return cdiv(self.max_model_len, self.block_size)
+        return self.policy.narrowed(overrides).stream_footprint_blocks(self.max_model_len, self.block_size)
+
+    def text_limit(self, overrides: dict[str, Any] | None = None) -> int | None:
+        """The protected tokens a stream may hold, checked before each turn; ``None``: not checked here
+        (``none`` evicts nothing, and a policy whose ``modalities`` leave out video protects the clips too)."""
+        if not self.policy.enabled or self.count_text is None or "video" not in self.policy.modalities:
+            return None
+        return self.policy.narrowed(overrides).text_limit(self.max_model_len)
+
+    def committed_blocks(self) -> int:
+        """Blocks the open streams may hold at most, together."""
+        return sum(s.footprint_blocks for s in self.streams.values() if not s.ended)
+
+    def capacity(self) -> dict[str, Any]:
+        """What a router needs to place streams here: pool, committed blocks, a default stream's footprint."""
+        footprint = self.footprint_blocks()
+        by_pool = self.pool_blocks // footprint if self.pool_blocks else self.limits.max_streams
+        return {"pool_blocks": self.pool_blocks, "committed_blocks": self.committed_blocks(),
+                "stream_footprint_blocks": footprint, "max_streams": min(self.limits.max_streams, by_pool),
+                "open_streams": len(self.streams)}
+
+    def open(self, *, overrides: dict[str, Any] | None = None, **kwargs: Any) -> LiveStream:
+        """A new stream (raises :class:`TooManyStreams` at the cap or when the pool is committed)."""
+        if len(self.streams) >= self.limits.max_streams:
+            raise TooManyStreams(f"{len(self.streams)} streams are open, the most this server allows "
+                                 f"(--kv-stream-max-open {self.limits.max_streams}); close one or wait for one to "
+                                 f"expire")
+        footprint = self.footprint_blocks(overrides)
+        committed = self.committed_blocks()
+        if self.pool_blocks is not None and committed + footprint > self.pool_blocks:
+            raise TooManyStreams(
+                f"the KV pool ({self.pool_blocks} blocks) is committed to {len(self.streams)} open streams "
+                f"({committed} blocks at most); a new stream may hold up to {footprint} blocks. Close a stream, "
+                f"wait for one to expire, or open one with a smaller kv_policy budget")
+        limit = self.text_limit(overrides)
+        stream = LiveStream(self.engine, extra_args={REQUEST_OVERRIDES_KEY: overrides} if overrides else None,
+                            text=TextBudget(limit), count_text=self.count_text if limit is not None else None,
+                            **kwargs)
+        stream.footprint_blocks = footprint
+        self.streams[stream.id] = stream
+        self._ensure_reaper()
+        return stream
+
+    def check_overrides(self, overrides: dict[str, Any]) -> tuple[str, str] | None:
+        """``(key, message)`` when a stream's ``kv_policy`` overrides are not allowed here, else ``None``."""
+        if not self.policy.enabled:
+            return next(iter(overrides)), "the server runs --kv-policy none: there is no budget to narrow"
+        try:
+            self.policy.narrowed(overrides)
+        except KVPolicyConfigError as exc:
+            return exc.key or next(iter(overrides)), str(exc)
+        return None
+
+    def policy_of(self, stream: LiveStream) -> dict[str, Any]:
+        """The policy the stream runs under (the server's, narrowed by its overrides)."""
+        if not self.policy.enabled:
+            return {"policy": self.policy.policy}
+        overrides = (stream.extra_args or {}).get(REQUEST_OVERRIDES_KEY)
+        policy = self.policy.narrowed(overrides)
+        return {"policy": policy.policy, "budget": policy.budget, "recent": policy.recent, "slack": policy.slack}
+
+    def get(self, stream_id: str) -> LiveStream:
+        stream = self.streams.get(stream_id)
+        if stream is None:
+            raise StreamNotFound(stream_id, self.gone.get(stream_id))
+        return stream
+
+    async def close(self, stream_id: str, reason: str = "closed") -> LiveStream:
+        """Remove the stream and end its engine request (every KV block is freed)."""
+        stream = self.streams.pop(stream_id, None)
+        if stream is None:
+            raise StreamNotFound(stream_id, self.gone.get(stream_id))
+        self.gone[stream_id] = stream.ended or reason
+        while len(self.gone) > GONE_REMEMBERED:
+            self.gone.popitem(last=False)
+        await stream.close(reason)
+        return stream
+
+    async def expire_idle(self) -> list[str]:
+        """Close every stream idle for longer than the timeout; returns their ids."""
+        timeout = self.limits.idle_timeout_s
+        idle = [sid for sid, s in self.streams.items() if s.idle_seconds() > timeout]
+        for sid in idle:
+            with contextlib.suppress(StreamNotFound):
+                await self.close(sid, reason=f"expired after {timeout:g} s idle")
+                self.expired += 1
+                logger.info("cords-vllm: stream %s expired after %g s idle; its KV is freed", sid, timeout)
+        return idle
+
+    def _ensure_reaper(self) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no event loop (bookkeeping only): nothing to expire from
+            return
+        if self._reaper is None or self._reaper.done():
+            self._reaper = loop.create_task(self._reap(), name="cords-vllm stream expiry")
+
+    async def _reap(self) -> None:
+        period = min(5.0, max(0.05, self.limits.idle_timeout_s / 4))
+        while self.streams:
+            await asyncio.sleep(period)
+            try:
+                await self.expire_idle()
+            except Exception:  # never let expiry die silently: log and keep reaping
+                logger.exception("cords-vllm: stream expiry failed")
+
+    async def shutdown(self) -> None:
+        for sid in list(self.streams):
+            with contextlib.suppress(StreamNotFound):
+                await self.close(sid, reason="server shutting down")
+        if self._reaper is not None:
+            self._reaper.cancel()

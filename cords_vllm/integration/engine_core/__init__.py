@@ -1,0 +1,7 @@
+"""Engine-core process: the scheduler side of the KV policy.
+
+:mod:`~.hooks` (what the patched scheduler methods call, and each scheduler's hooks: compressor, publisher,
+step observers), :mod:`~.scheduler` (plan before the step allocates, free blocks, admit by footprint),
+:mod:`~.tracker` (one :class:`~.tracker.RequestTracker` per request), :mod:`~.requests` (what the policy reads
+of a vLLM ``Request``) and :mod:`~.observers` (the step observer that publishes held KV and peaks).
+"""

@@ -1,0 +1,121 @@
+"""The scheduler's hooks: what the patched ``Scheduler`` and ``KVCacheManager`` methods call (engine core).
+
+Each scheduler gets one :class:`SchedulerHooks` the first time a patched method sees it: its compressor
+(``None`` for ``--kv-policy none``: every wrapper then calls straight through), its publisher and its step
+observers. The wrappers are installed from the one patch table, :mod:`cords_vllm.integration.patches`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.v1.core import kv_cache_utils
+
+from cords_vllm.config import KVPolicyConfig
+from cords_vllm.integration.attach import Attached
+from cords_vllm.integration.engine_core.observers import HeldKVObserver, StepObserver
+from cords_vllm.integration.engine_core.scheduler import SchedulerCompressor
+from cords_vllm.integration.published import Publisher
+from cords_vllm.utils import cdiv
+
+
+def policy_of(vllm_config: Any) -> KVPolicyConfig | None:
+    """The enabled policy of an engine (``None`` for ``--kv-policy none``)."""
+    config = KVPolicyConfig.from_vllm_config(vllm_config)
+    return config if config.enabled else None
+
+
+@dataclass
+class SchedulerHooks:
+    """Per-scheduler plugin state: its compressor (``None`` without a policy), publisher and step observers."""
+
+    compressor: SchedulerCompressor | None
+    publisher: Publisher
+    observers: list[StepObserver] = field(default_factory=list)
+
+
+_SCHEDULER_HOOKS: Attached[SchedulerHooks] = Attached("scheduler hooks")
+_MANAGER_COMPRESSOR: Attached[SchedulerCompressor | None] = Attached("KV cache manager's compressor")
+
+
+def _create_hooks(scheduler: Any) -> SchedulerHooks:
+    policy = policy_of(scheduler.vllm_config)
+    publisher = Publisher("scheduler")
+    compressor = SchedulerCompressor(policy, scheduler, publisher) if policy else None
+    _MANAGER_COMPRESSOR.set(scheduler.kv_cache_manager, compressor)
+    return SchedulerHooks(compressor, publisher, [HeldKVObserver(compressor, publisher)])
+
+
+def scheduler_hooks(scheduler: Any) -> SchedulerHooks:
+    """The scheduler's :class:`SchedulerHooks`, created (with its compressor) on first use."""
+    return _SCHEDULER_HOOKS.get_or_create(scheduler, lambda: _create_hooks(scheduler))
+
+
+def observe_steps(scheduler: Any, observer: StepObserver) -> Callable[[], None]:
+    """Call ``observer(scheduler, output)`` after every step of ``scheduler``; returns an unsubscribe."""
+    observers = scheduler_hooks(scheduler).observers
+    observers.append(observer)
+    return lambda: observers.remove(observer)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Wrappers (``make(original) -> wrapper``), installed by the patch table.
+def make_schedule(original: Callable) -> Callable:
+    def schedule(self, *args, **kwargs):
+        hooks = scheduler_hooks(self)
+        comp = hooks.compressor
+        if comp is not None:
+            comp.before_schedule(self)
+        output = original(self, *args, **kwargs)
+        if comp is not None:
+            comp.after_schedule(output)
+        for observer in hooks.observers:
+            observer(self, output)
+        return output
+    return schedule
+
+
+def make_allocate_slots(original: Callable) -> Callable:
+    def allocate_slots(self, request, *args, **kwargs):
+        comp = _MANAGER_COMPRESSOR.get(self)
+        if comp is None:
+            return original(self, request, *args, **kwargs)
+        manager = comp.manager
+        saved = manager.max_admission_blocks_per_request
+        manager.max_admission_blocks_per_request = comp.admission_cap(request)
+        kwargs["reserved_blocks"] = kwargs.get("reserved_blocks", 0) + comp.growth_reserve(request)
+        try:
+            return original(self, request, *args, **kwargs)
+        finally:
+            manager.max_admission_blocks_per_request = saved
+    return allocate_slots
+
+
+def make_reserve_prefill_lookahead(original: Callable) -> Callable:
+    def _reserve_prefill_lookahead(self, request, num_computed_tokens, num_new_tokens):
+        comp = scheduler_hooks(self).compressor
+        if comp is not None and num_new_tokens > 0:
+            limit = comp.chunk_limit(request, num_computed_tokens)
+            if limit is not None:
+                num_new_tokens = min(num_new_tokens, limit)
+        return original(self, request, num_computed_tokens, num_new_tokens)
+    return _reserve_prefill_lookahead
+
+
+def make_max_memory_usage(original: Callable) -> Callable:
+    def _max_memory_usage_bytes_from_groups(vllm_config, kv_cache_groups):
+        policy = policy_of(vllm_config)
+        if policy is None:
+            return original(vllm_config, kv_cache_groups)
+        groups = [g for g in kv_cache_groups if not getattr(g, "host_resident", False)]
+        if not groups:
+            return 0
+        max_len = vllm_config.model_config.max_model_len
+        blocks = 0
+        for group in groups:
+            bs = group.kv_cache_spec.block_size
+            blocks += min(policy.stream_footprint_blocks(max_len, bs), cdiv(max_len, bs))
+        return kv_cache_utils._pool_bytes_per_block(vllm_config, groups) * blocks
+    return _max_memory_usage_bytes_from_groups

@@ -1,0 +1,125 @@
+"""One tracker per request on the scheduler side: everything the policy knows about a request, in one object.
+
+A :class:`RequestTracker` is created when the policy first sees a request and dropped when the request
+leaves the scheduler (finished or aborted); a preemption resets its compression state (the request
+recomputes from scratch). What it caches is keyed by what it depends on, so a streaming session whose prompt
+grows with every turn is re-read exactly when it changed: its candidate spans by the number of multimodal
+inputs, its admission footprint by its token count, its settings by its overrides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from cords_vllm.compress.plan import (
+    BudgetSettings,
+    CandidateSpans,
+    RequestCompressionState,
+    compressed_footprint_blocks,
+    held_candidate_tokens,
+)
+from cords_vllm.config import REQUEST_OVERRIDES_KEY, KVPolicyConfig, KVPolicyConfigError
+from cords_vllm.integration.engine_core.requests import candidate_spans
+from cords_vllm.model_facts import ModelFacts
+
+_NO_SPANS = CandidateSpans(())
+
+
+@dataclass(frozen=True)
+class RequestCompression:
+    """What one request holds and what the policy did to it (see :mod:`cords_vllm.integration.inprocess`).
+
+    ``region_blocks``: logical blocks compacted so far; ``held_blocks``: blocks of its row that are not
+    null (its real KV footprint now); ``held_candidate_tokens``: candidate tokens physically held;
+    ``candidate_tokens``: candidate tokens of its prompt; ``compressions``, ``evicted_tokens``: so far.
+    """
+
+    region_blocks: int
+    held_blocks: int
+    held_candidate_tokens: int
+    candidate_tokens: int
+    compressions: int
+    evicted_tokens: int
+
+
+def non_null_blocks(row: list, state: RequestCompressionState | None) -> int:
+    """Blocks of a request's ``row`` that are not null, without scanning it: ``j - k`` entries of its region
+    are null, none elsewhere."""
+    return len(row) - (state.region_blocks - state.held_blocks if state else 0)
+
+
+@dataclass
+class RequestTracker:
+    """The scheduler side's state of one request.
+
+    Attributes
+    ----------
+    req_id:
+        Engine-internal request id.
+    state:
+        Its compressed prefix (:class:`~cords_vllm.compress.plan.RequestCompressionState`).
+    ending:
+        It was handed to vLLM's error channel and ends with the next step's output.
+    """
+
+    req_id: str
+    state: RequestCompressionState = field(default_factory=RequestCompressionState)
+    ending: bool = False
+    _spans: tuple[int, CandidateSpans] = (-1, _NO_SPANS)
+    _settings: tuple[Any, BudgetSettings | KVPolicyConfigError] | None = None
+    _footprint: tuple[int, int] | None = None
+
+    def reset(self) -> None:
+        """Forget the compression state (a preempted request recomputes from scratch)."""
+        self.state = RequestCompressionState()
+
+    def candidates(self, request: Any, facts: ModelFacts, config: KVPolicyConfig) -> CandidateSpans:
+        """The request's candidate spans (re-read when a streaming session's turn added inputs)."""
+        n_inputs = len(getattr(request, "mm_features", None) or ())
+        if self._spans[0] != n_inputs:
+            self._spans = (n_inputs, candidate_spans(request, facts, config.modalities))
+        return self._spans[1]
+
+    def narrowed(self, request: Any, config: KVPolicyConfig) -> BudgetSettings | KVPolicyConfigError:
+        """The request's budget settings with its own overrides applied (``SamplingParams.extra_args``, see
+        :meth:`~cords_vllm.config.KVPolicyConfig.narrowed`), or why they are invalid."""
+        params = getattr(request, "sampling_params", None)
+        overrides = (params.extra_args or {}).get(REQUEST_OVERRIDES_KEY) if params is not None else None
+        if not overrides:
+            return config.budget_settings
+        if self._settings is None or self._settings[0] != overrides:
+            try:
+                result: BudgetSettings | KVPolicyConfigError = config.narrowed(overrides).budget_settings
+            except KVPolicyConfigError as exc:
+                result = exc
+            self._settings = (overrides, result)
+        return self._settings[1]
+
+    def settings(self, request: Any, config: KVPolicyConfig) -> BudgetSettings:
+        """The settings the request is planned with: the server's until invalid overrides end it."""
+        settings = self.narrowed(request, config)
+        return config.budget_settings if isinstance(settings, KVPolicyConfigError) else settings
+
+    def footprint(self, request: Any, candidates: CandidateSpans, settings: BudgetSettings,
+                  block_size: int) -> int:
+        """Blocks the request holds at most (re-computed when its token count changed)."""
+        if self._footprint is None or self._footprint[0] != request.num_tokens:
+            self._footprint = (request.num_tokens, compressed_footprint_blocks(
+                request.num_tokens, candidates.total, settings, block_size))
+        return self._footprint[1]
+
+    @property
+    def known_footprint(self) -> int | None:
+        """The footprint computed last (``None`` before admission)."""
+        return None if self._footprint is None else self._footprint[1]
+
+    def describe(self, row: list, num_computed: int, candidates: CandidateSpans,
+                 block_size: int) -> RequestCompression:
+        """What the request holds now (``row``: its row of blocks)."""
+        state = self.state
+        return RequestCompression(
+            region_blocks=state.region_blocks, held_blocks=non_null_blocks(row, state),
+            held_candidate_tokens=held_candidate_tokens(state, candidates, num_computed, block_size),
+            candidate_tokens=candidates.total, compressions=state.compressions,
+            evicted_tokens=state.evicted_tokens)

@@ -1,0 +1,140 @@
+"""The plugin's whole contract with vLLM 0.32, in one table: every function it wraps or calls, the field it
+declares and the attribute it relies on vLLM to drain. Installed once, all or nothing, by
+:func:`install` (:mod:`cords_vllm.integration.patching`: every entry resolved and signature-checked before
+anything changes).
+
+The wrappers live with the process they run in (:mod:`~cords_vllm.integration.startup.cli_args`,
+:mod:`~cords_vllm.integration.engine_core.hooks`, :mod:`~cords_vllm.integration.worker.hooks`,
+:mod:`~cords_vllm.integration.api_server.streams.plugin`); each calls straight through under ``--kv-policy
+none``. The same engine changes, as upstream would make them, are the patch series in ``patches/``.
+"""
+
+from __future__ import annotations
+
+from cords_vllm.integration.api_server.streams.plugin import make_attach_endpoint_plugins
+from cords_vllm.integration.engine_core import hooks as core
+from cords_vllm.integration.patching import Call, Drains, EngineSignatureError, Entry, Field, Patch, installed
+from cords_vllm.integration.patching import install as install_entries
+from cords_vllm.integration.plans import PLANS_FIELD
+from cords_vllm.integration.startup import cli_args
+from cords_vllm.integration.worker import hooks as worker
+
+_SCHEDULER = "vllm.v1.core.sched.scheduler:Scheduler"
+_ENGINE_ARGS = "vllm.engine.arg_utils:EngineArgs"
+
+#: Start-up (the process that parses the command line and builds ``VllmConfig``).
+STARTUP: tuple[Entry, ...] = (
+    Patch(f"{_ENGINE_ARGS}.add_cli_args", ("parser",), cli_args.make_add_cli_args,
+          why="no hook for a plugin's command-line flags (an unknown flag exits with status 2): add the KV policy "
+              "argument group"),
+    Patch(f"{_ENGINE_ARGS}.from_cli_args", ("cls", "args"), cli_args.make_from_cli_args,
+          why="fold --kv-policy / --kv-policy-config into additional_config, which vLLM carries to every process"),
+    Patch(f"{_ENGINE_ARGS}.create_engine_config", ("self", "usage_context", "headless"),
+          cli_args.make_create_engine_config,
+          why="apply the engine settings a policy needs, check the policy against the model, log it once"),
+    Patch("vllm.v1.core.kv_cache_utils:_max_memory_usage_bytes_from_groups", ("vllm_config", "kv_cache_groups"),
+          core.make_max_memory_usage,
+          why="the start-up check asks the pool to hold one max-model-len request; a request under the policy "
+              "holds at most its bounded footprint (max_text_tokens of text + its bounded candidates), so ask "
+              "for that instead and let a stream's logical length exceed the pool"),
+    Call("vllm.v1.core.kv_cache_utils:_pool_bytes_per_block", ("vllm_config", "kv_cache_groups"),
+         why="bytes of one block across the KV cache groups, for the bounded-footprint start-up rule"),
+)
+
+#: Engine core: the scheduler and its KV cache manager.
+ENGINE_CORE: tuple[Entry, ...] = (
+    Patch(f"{_SCHEDULER}.schedule", ("self",), core.make_schedule,
+          why="no hook between steps may change a running request's blocks: compress before the step allocates",
+          upstream="patches/0001-scheduler-kv-compactor-hook.patch"),
+    Patch(f"{_SCHEDULER}._reserve_prefill_lookahead",
+          ("self", "request", "num_computed_tokens", "num_new_tokens"), core.make_reserve_prefill_lookahead,
+          why="a prefill chunk ends wherever the batch's token budget runs out (and a lone request is never "
+              "chunked); end it at the request's next compression point, so what a request keeps does not "
+              "depend on batching or chunk settings",
+          upstream="patches/0005-scheduler-chunk-end-at-compression-points.patch"),
+    Patch("vllm.v1.core.kv_cache_manager:KVCacheManager.allocate_slots", ("self", "request", "num_new_tokens"),
+          core.make_allocate_slots, keywords=("reserved_blocks",),
+          why="admission reserves a request's whole prompt; cap it at the compressed footprint and keep free "
+              "the blocks admitted compressed requests will still grow into",
+          upstream="patches/0002-kv-cache-manager-admission-policy.patch"),
+    Field(f"vllm.v1.core.sched.output:SchedulerOutput.{PLANS_FIELD}", None,
+          why="no channel from the scheduler to the workers for a policy's per-step data: the plans ride here",
+          upstream="patches/0001-scheduler-kv-compactor-hook.patch"),
+    Call("vllm.v1.core.block_pool:BlockPool.free_blocks", ("self", "ordered_blocks"),
+         why="return a compressed region's evicted blocks to the pool before the step allocates"),
+    Drains(f"{_SCHEDULER}.update_from_output", "encoder_cache_mismatch_reqs",
+           why="the only way to end a request with FINISHED_ERROR from the scheduler and tell its client (a "
+               "request past max_text_tokens or with invalid overrides)"),
+)
+
+#: Workers: the model runner and the attention metadata builders.
+WORKER: tuple[Entry, ...] = (
+    Patch("vllm.v1.worker.gpu_model_runner:GPUModelRunner._update_states", ("self", "scheduler_output"),
+          worker.make_update_states,
+          why="the KV connector's worker hook runs before new block ids are appended and cannot edit rows: "
+              "carry out the plans after the step's block ids are applied and before the forward",
+          upstream="patches/0003-model-runner-kv-compactor-hook.patch"),
+    Patch("vllm.v1.worker.utils:AttentionGroup.build_metadata",
+          ("self", "common_attn_metadata", "ubatch_idx", "common_prefix_len"), worker.make_build_metadata,
+          why="attention kernels have no notion of holes in a row: show them compressed rows compacted",
+          upstream="patches/0004-attention-null-block-holes.patch"),
+    Call("vllm._custom_ops:cpu_attn_reshape_and_cache",
+         ("key", "value", "key_cache", "value_cache", "slot_mapping", "isa"),
+         keywords=("k_scale", "v_scale", "kv_cache_dtype"),
+         why="the CPU backend's own KV write, to learn its tile layout and to write kept tokens back"),
+)
+
+#: API servers: the stream API's endpoint plugin and the engine calls a stream makes.
+API_SERVER: tuple[Entry, ...] = (
+    Patch("vllm.entrypoints.launchers.app:attach_endpoint_plugins", ("app", "supported_tasks"),
+          make_attach_endpoint_plugins,
+          why="endpoint plugins load only when VLLM_PLUGINS names them, and that variable also narrows every "
+              "process's general plugins: turn the stream API on with --kv-policy / --kv-streams instead"),
+    Call("vllm.v1.engine.async_llm:AsyncLLM.generate", ("self", "prompt", "sampling_params", "request_id"),
+         why="a live stream is one resumable request fed by an async generator of StreamingInput"),
+    Call("vllm.v1.engine.async_llm:AsyncLLM.get_tokenizer", ("self",),
+         why="count a stream turn's protected tokens with the served model's tokenizer"),
+    Call("vllm.multimodal.media.image:ImageMediaIO.load_bytes", ("self", "data"),
+         why="decode a pushed frame the way vLLM decodes an image_url part"),
+    Call("vllm.multimodal.media.video:VideoMediaIO.load_bytes", ("self", "data"),
+         why="decode a pushed clip the way vLLM decodes a video_url part"),
+)
+
+#: In-process engines (tests, benchmarks, the demo): driving a resumable request turn by turn.
+IN_PROCESS: tuple[Entry, ...] = (
+    Call("vllm.v1.engine.input_processor:InputProcessor.process_inputs",
+         ("self", "request_id", "prompt", "params", "supported_tasks"), keywords=("resumable",),
+         why="turn one session turn into an engine request"),
+    Call("vllm.v1.engine.input_processor:InputProcessor.assign_request_id", ("request",),
+         why="give a session the engine's internal request id once"),
+    Call("vllm.v1.engine.output_processor:OutputProcessor.add_request",
+         ("self", "request", "prompt", "parent_req", "request_index"),
+         why="register a session turn's outputs"),
+    Call("vllm.v1.engine.core_client:InprocClient.add_request", ("self", "request"),
+         why="hand a session turn to the in-process engine core"),
+    Call("vllm.v1.engine.llm_engine:LLMEngine.abort_request", ("self", "request_ids"), keywords=("internal",),
+         why="abort a session by its internal id"),
+    Call("vllm.v1.engine.llm_engine:LLMEngine.step", ("self",), why="run the in-process engine one step"),
+    Call("vllm.v1.engine.llm_engine:LLMEngine.has_unfinished_requests", ("self",),
+         why="tell a finished turn from a session the engine ended"),
+    Call("vllm.v1.engine.llm_engine:LLMEngine.get_supported_tasks", ("self",),
+         why="the tasks a session turn is processed for"),
+)
+
+#: The whole table, in install order.
+TABLE: tuple[Entry, ...] = (*STARTUP, *ENGINE_CORE, *WORKER, *API_SERVER, *IN_PROCESS)
+
+
+def install() -> None:
+    """Install the whole table (idempotent). Raises :class:`EngineSignatureError` on a foreign vLLM, before
+    anything is changed."""
+    install_entries(TABLE)
+
+
+def patches() -> list[Patch]:
+    """The wrapped functions of the table."""
+    return [e for e in TABLE if isinstance(e, Patch)]
+
+
+__all__ = ["API_SERVER", "ENGINE_CORE", "IN_PROCESS", "STARTUP", "TABLE", "WORKER", "EngineSignatureError",
+           "install", "installed", "patches"]

@@ -1,0 +1,110 @@
+"""Start-up checks of the KV policy against the model and the engine settings.
+
+:mod:`cords_vllm.config` validates the policy's JSON on its own; what it cannot know is the model. Without
+these checks, settings the model cannot honour start a healthy server and fail at the first request (an
+anchor layer the model does not have, frame granularity without M-RoPE frame positions) or silently never
+compress (a budget no request can exceed). They run once, right after
+vLLM built its ``VllmConfig`` (:mod:`cords_vllm.integration.startup.cli_args`), on the plain values of
+:class:`EngineFacts`, so each check is a pure function.
+
+A check that fails raises :class:`~cords_vllm.config.KVPolicyConfigError` (a ``ValueError``): ``LLM(...)``
+raises it and ``vllm serve`` exits non-zero with the message. What these checks cannot see: a model whose attention
+layers end up in several KV cache groups for a reason its config does not show is refused by the engine when it first
+schedules a
+request (the groups exist only once the engine core has laid out its KV cache, after start-up).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from cords_vllm.config import KVPolicyConfig, KVPolicyConfigError
+from cords_vllm.integration.engine_facts import model_facts_of
+from cords_vllm.selection import selector_class
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What the checks need to know about the model and the engine, as plain values."""
+
+    model: str
+    num_layers: int
+    max_model_len: int
+    uses_mrope: bool
+    sliding_window: int | None = None
+    hybrid: bool = False
+    attention_free: bool = False
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config: Any) -> EngineFacts:
+        mc = vllm_config.model_config
+        return cls(
+            model=str(mc.model),
+            num_layers=mc.get_num_layers(vllm_config.parallel_config),
+            max_model_len=mc.max_model_len,
+            uses_mrope=model_facts_of(vllm_config).finds_frames,
+            sliding_window=mc.get_sliding_window(),
+            hybrid=bool(mc.is_hybrid),
+            attention_free=bool(mc.is_attention_free),
+        )
+
+
+def check_engine(policy: KVPolicyConfig, facts: EngineFacts) -> None:
+    """Refuse settings the model cannot serve (:class:`KVPolicyConfigError`).
+
+    Nothing is checked for ``--kv-policy none``.
+    """
+    if not policy.enabled:
+        return
+    check_attention(policy.policy, facts.model, facts.sliding_window, facts.hybrid, facts.attention_free)
+    policy.check_model(facts.num_layers)  # anchors
+    check_budget(policy.budget, policy.slack, facts.max_model_len)
+    check_granularity(policy.granularity, facts.uses_mrope, facts.model)
+    check_frame_lengths(policy.policy, facts.uses_mrope, facts.model)
+
+
+def check_attention(policy: str, model: str, sliding_window: int | None, hybrid: bool,
+                    attention_free: bool) -> None:
+    """The policy compresses one full-attention KV cache: refuse sliding-window, hybrid, attention-free models."""
+    if attention_free:
+        reason = "has no attention KV cache"
+    elif hybrid:
+        reason = "is hybrid (attention and state-space or linear-attention layers keep separate KV caches)"
+    elif sliding_window is not None:
+        reason = (f"uses sliding-window attention (sliding_window={sliding_window}); if it can run with full "
+                  "attention, add --disable-sliding-window")
+    else:
+        return
+    raise KVPolicyConfigError(f"--kv-policy {policy}: model {model} {reason}; cords-vllm compresses one "
+                              "full-attention KV cache")
+
+
+def check_budget(budget: int, slack: int, max_model_len: int) -> None:
+    """Refuse a budget no request can exceed: compression starts above ``budget + slack`` video tokens.
+
+    A budget that only exceeds *some* videos is fine (shorter videos are simply kept whole), so nothing is
+    said about typical video lengths, which the server cannot know.
+    """
+    if budget + slack >= max_model_len:
+        raise KVPolicyConfigError(
+            f"kv_policy_config key 'budget' ({budget}) + slack ({slack}) = {budget + slack} is not below "
+            f"max-model-len ({max_model_len}): a request compresses only once it holds more than budget + slack "
+            "video tokens, so nothing would ever be compressed; lower 'budget' (or 'slack') or raise "
+            "--max-model-len")
+
+
+def check_granularity(granularity: str, uses_mrope: bool, model: str) -> None:
+    """Frame granularity reads a video's frames from M-RoPE temporal positions."""
+    if granularity == "frame" and not uses_mrope:
+        raise KVPolicyConfigError(
+            f"kv_policy_config key 'granularity' is 'frame', which reads a video's frames from M-RoPE temporal "
+            f"positions (Qwen2-VL family), and model {model} has no M-RoPE; use granularity 'token' or 'block'")
+
+
+def check_frame_lengths(policy: str, uses_mrope: bool, model: str) -> None:
+    """Policies that need the frame length (e.g. ``infinipot_v``) read it from M-RoPE positions too."""
+    if selector_class(policy).needs_frame_length and not uses_mrope:
+        raise KVPolicyConfigError(
+            f"--kv-policy {policy} needs each video's frame length, read from M-RoPE temporal positions "
+            f"(Qwen2-VL family), and model {model} has no M-RoPE; choose another policy")

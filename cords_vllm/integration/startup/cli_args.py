@@ -1,0 +1,151 @@
+"""``--kv-policy`` and ``--kv-policy-config`` for ``vllm serve`` and ``EngineArgs``.
+
+vLLM 0.32 has no hook for a plugin to add command-line flags; an unknown flag exits with status 2. The
+patch table (:mod:`cords_vllm.integration.patches`) wraps three ``EngineArgs`` methods with these wrappers:
+
+* ``add_cli_args``: adds a "KV policy (cords-vllm)" argument group. ``--kv-policy`` takes its choices
+  from the policy registry, so ``--help`` lists them and argparse rejects an unknown name.
+* ``from_cli_args``: validates ``--kv-policy-config`` against the chosen policy (exits non-zero naming the
+  offending key) and folds both flags into ``additional_config``, the config entry vLLM already pickles to
+  the engine core and the workers.
+* ``create_engine_config``: validates ``additional_config`` once more, so the ``--additional-config`` form and
+  ``LLM(..., additional_config=...)`` get the same start-up errors as the flags, applies the engine
+  settings an enabled policy needs (:mod:`cords_vllm.integration.startup.engine_args`), checks the policy against the
+  model in the ``VllmConfig`` vLLM built (:mod:`cords_vllm.integration.startup.checks`), and logs one INFO line naming
+  the policy, every setting in force and every engine setting it changed.
+
+With ``--kv-policy none`` (the default) nothing is added to ``additional_config``. The ``--kv-stream*`` flags
+configure the stream API (:mod:`cords_vllm.integration.api_server.streams`), which runs in the API server and reads them
+from the server's arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from cords_vllm.config import (
+    ADDITIONAL_CONFIG_CONFIG,
+    ADDITIONAL_CONFIG_POLICY,
+    ENGINE_KEYS,
+    KVPolicyConfig,
+    KVPolicyConfigError,
+    available_policies,
+)
+from cords_vllm.integration.startup.checks import EngineFacts, check_engine
+from cords_vllm.integration.startup.engine_args import adjust_engine_args
+
+logger = logging.getLogger(__name__)
+
+
+def _help_text() -> str:
+    keys = "; ".join(f"{k}: {v}" for k, v in ENGINE_KEYS.items())
+    return (
+        "JSON object configuring --kv-policy. Engine keys: " + keys + ". Any other key is a "
+        "hyper-parameter of the chosen policy (e.g. alpha, eta, lam for cords) and is validated by it."
+    )
+
+
+def add_kv_policy_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the KV policy argument group to ``parser`` (no-op if it is already there)."""
+    if any(getattr(a, "dest", None) == "kv_policy" for a in parser._actions):
+        return parser
+    group = parser.add_argument_group(
+        title="KV policy (cords-vllm)",
+        description="Compress each video request's paged KV cache while it is prefilled.",
+    )
+    group.add_argument("--kv-policy", type=str, default=None, choices=available_policies(),
+                       help="KV cache eviction policy for video requests ('none', the default, leaves the engine "
+                            "untouched). Giving it (any policy, 'none' included) also turns on the stream API.")
+    group.add_argument("--kv-policy-config", type=str, default=None, help=_help_text())
+    group.add_argument("--kv-streams", action=argparse.BooleanOptionalAction, default=None,
+                       help="Serve the live video stream API (/v1/streams). Default: on when --kv-policy is given.")
+    group.add_argument("--kv-stream-idle-timeout", type=_positive(float), default=300.0, metavar="SECONDS",
+                       help="Seconds a stream may stay idle before it expires and its KV is freed (default 300).")
+    group.add_argument("--kv-stream-max-open", type=_positive(int), default=64, metavar="N",
+                       help="Most streams open at once on one API server (default 64).")
+    group.add_argument("--kv-stream-max-frames", type=_positive(int), default=256, metavar="N",
+                       help="Most frames one append may carry (default 256).")
+    return parser
+
+
+def _positive(kind: type) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+    return parse
+
+
+def merge_into_additional_config(additional_config: dict[str, Any] | None, policy: str | None,
+                                 config: str | None) -> dict[str, Any]:
+    """Validate the flags and return ``additional_config`` with the policy entries set.
+
+    Raises :class:`KVPolicyConfigError` on an invalid policy or configuration, and when the flags and an
+    ``--additional-config`` entry disagree.
+    """
+    out = dict(additional_config or {})
+    parsed = KVPolicyConfig.parse(policy, config)
+    if not parsed.enabled:
+        return out
+    if out.get(ADDITIONAL_CONFIG_POLICY, policy) != policy:
+        raise KVPolicyConfigError(
+            f"--kv-policy {policy} conflicts with --additional-config kv_policy="
+            f"{out[ADDITIONAL_CONFIG_POLICY]!r}; give the policy once"
+        )
+    out[ADDITIONAL_CONFIG_POLICY] = policy
+    out[ADDITIONAL_CONFIG_CONFIG] = parsed.to_json()
+    return out
+
+
+def startup_line(policy: KVPolicyConfig, changes: list[str]) -> str:
+    """The one start-up log line: the policy, every setting in force and the engine settings it changed."""
+    settings = json.dumps(policy.settings(), default=str)
+    return (f"cords-vllm: --kv-policy {policy.policy} --kv-policy-config '{settings}'; engine settings changed: "
+            f"{'; '.join(changes) or 'none'}")
+
+
+def checked_engine_config(engine_args: Any, create: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``create(engine_args, ...)`` (vLLM's ``create_engine_config``) with the KV policy applied and checked.
+
+    Raises :class:`KVPolicyConfigError` for an invalid policy or one the model cannot serve.
+    """
+    policy = KVPolicyConfig.from_additional_config(engine_args.additional_config)
+    changes = adjust_engine_args(engine_args, policy)
+    vllm_config = create(engine_args, *args, **kwargs)
+    if policy.enabled:
+        check_engine(policy, EngineFacts.from_vllm_config(vllm_config))
+        logger.info("%s", startup_line(policy, changes))
+    return vllm_config
+
+
+def make_add_cli_args(original: Callable) -> Callable:
+    def add_cli_args(parser):
+        return add_kv_policy_args(original(parser))
+    return add_cli_args
+
+
+def make_from_cli_args(original: Callable) -> Callable:
+    def from_cli_args(cls, args: argparse.Namespace):
+        engine_args = original(cls, args)
+        try:
+            engine_args.additional_config = merge_into_additional_config(
+                engine_args.additional_config, getattr(args, "kv_policy", None),
+                getattr(args, "kv_policy_config", None))
+        except KVPolicyConfigError as exc:
+            raise SystemExit(f"error: --kv-policy / --kv-policy-config: {exc}") from None
+        return engine_args
+    return from_cli_args
+
+
+def make_create_engine_config(original: Callable) -> Callable:
+    def create_engine_config(self, *args, **kwargs):
+        return checked_engine_config(self, original, *args, **kwargs)
+    return create_engine_config

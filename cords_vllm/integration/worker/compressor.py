@@ -1,0 +1,247 @@
+"""Worker side: carry out the scheduler's compression plans on the paged KV cache, before the forward.
+
+For each plan of the step (run right after ``GPUModelRunner._update_states``, so new block ids are appended
+and the persistent batch is condensed):
+
+1. Rewrite the worker's two copies of the request's row (``CachedRequestState.block_ids``, which survives
+   the request leaving the persistent batch, and the persistent ``InputBatch`` block table the kernels read):
+   ``row[:j] = kept blocks + nulls`` (:meth:`~cords_vllm.compress.plan.CompressionPlan.compact_row`, which
+   touches only the entries that change). Host data only.
+2. Build the step's :class:`~cords_vllm.compress.step.RegionBatch` (one non-blocking upload of the plan's
+   block ids and spans) and run the pure :func:`~cords_vllm.compress.step.compress_region` on the cache's
+   device.
+
+The freed blocks may be handed to another request in this very step; that is safe because the copy runs
+before this step's forward, which is the first thing that can write them.
+
+Each compressed request has one :class:`~cords_vllm.integration.worker.tracker.WorkerRequest`, dropped when it
+finishes, is preempted (it recomputes from scratch) or resumes after a preemption.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from cords_vllm.compress.attention_view import RowHoles
+from cords_vllm.compress.frames import RequestFrames, frames_from_mrope
+from cords_vllm.compress.kv_access import KVAccessor, slots_of
+from cords_vllm.compress.plan import NULL_BLOCK_ID, CompressionPlan
+from cords_vllm.compress.step import RegionBatch, SelectionSetup, compress_region
+from cords_vllm.compress.transfer import upload
+from cords_vllm.config import KVPolicyConfig
+from cords_vllm.integration.engine_facts import model_facts_of, single_kv_cache_group
+from cords_vllm.integration.plans import plans_of
+from cords_vllm.integration.published import Publisher
+from cords_vllm.integration.worker.cpu_layout import accessor_for_layer
+from cords_vllm.integration.worker.tracker import WorkerRequest
+from cords_vllm.selection import get_selector
+from cords_vllm.threads import intra_op_threads
+
+logger = logging.getLogger(__name__)
+
+#: Set to ``1`` to keep a record of every compression (kept logical ids per layer) for tests and debugging.
+TRACE_ENV = "CORDS_VLLM_TRACE"
+#: Intra-op threads compression (read, selection, copy) runs with (default 1): see :mod:`cords_vllm.threads`.
+SELECTION_THREADS_ENV = "CORDS_VLLM_SELECTION_THREADS"
+
+
+class WorkerPlanError(RuntimeError):
+    """The worker's view of a request disagrees with the scheduler's plan (a bug, never expected)."""
+
+
+@dataclass(frozen=True)
+class CompressionEvent:
+    """A compression as carried out by a worker (recorded when ``CORDS_VLLM_TRACE=1``).
+
+    ``kept_logical[l]`` is ``long [H, n]`` (host): the logical ids layer ``l`` holds right after the
+    compression, up to ``at_token`` (the first logical token of the chunk computed next).
+    """
+
+    req_id: str
+    at_token: int
+    region_blocks: int
+    kept_logical: tuple[torch.Tensor, ...]
+    selection_seconds: float
+
+
+@dataclass(frozen=True)
+class WorkerSnapshot:
+    """Read-only view of a worker's compression state (see :mod:`cords_vllm.integration.inprocess`)."""
+
+    compressions: int
+    selection_seconds: float
+    held: dict[str, tuple[int, int]]  # req_id -> (kept blocks, region blocks)
+    events: tuple[CompressionEvent, ...]
+
+
+@dataclass
+class _Totals:
+    compressions: int = 0
+    selection_seconds: float = 0.0
+    events: list[CompressionEvent] = field(default_factory=list)
+
+
+def _layer_index(name: str) -> int:
+    match = re.search(r"\.layers\.(\d+)\.", name)
+    if match is None:
+        raise ValueError(f"cannot find the decoder layer index in attention layer name {name!r}")
+    return int(match.group(1))
+
+
+class WorkerCompressor:
+    """Applies compression plans inside one model runner."""
+
+    def __init__(self, config: KVPolicyConfig, runner: Any) -> None:
+        self.config = config
+        names = sorted(single_kv_cache_group(runner.kv_cache_config.kv_cache_groups, config).layer_names,
+                       key=_layer_index)
+        self.layer_names = names
+        config.check_model(len(names))
+        self.facts = model_facts_of(runner.vllm_config)
+        if config.granularity == "frame" and not self.facts.finds_frames:
+            raise ValueError(
+                f"--kv-policy {config.policy}: granularity 'frame' needs the model's frames, read from M-RoPE "
+                "temporal positions (Qwen2-VL family); this model has none. Use granularity 'token' or 'block'.")
+        forward_context = runner.compilation_config.static_forward_context
+        modules = [forward_context[n] for n in names]
+        self.caches = [self._cache(m) for m in modules]
+        self.device = self.caches[0].device
+        self.accessors: list[KVAccessor] = [accessor_for_layer(c, m) for c, m in zip(self.caches, modules,
+                                                                                       strict=True)]
+        self.block_size = self.accessors[0].block_size
+        self.setup = SelectionSetup(
+            selector=get_selector(config.policy, **dict(config.params)), granularity=config.granularity,
+            per_head=config.per_head, anchor_of=tuple(config.anchor_of(i, len(names)) for i in range(len(names))))
+        self.requests: dict[str, WorkerRequest] = {}
+        self.totals = _Totals()
+        self.trace = os.environ.get(TRACE_ENV) == "1"
+        self.publisher = Publisher("worker")
+        self.selection_threads = int(os.environ.get(SELECTION_THREADS_ENV, "1"))
+        self._probe_layouts()
+
+    @staticmethod
+    def _cache(module: Any) -> torch.Tensor:
+        cache = module.kv_cache
+        return cache[0] if isinstance(cache, list | tuple) else cache
+
+    def _probe_layouts(self) -> None:
+        """Write/read-back check of every layer's layout at start-up (fails loudly, never silently)."""
+        slots = slots_of(torch.tensor([1], device=self.device), self.block_size)[:1]  # block 0 is the null block
+        for name, cache, accessor in zip(self.layer_names, self.caches, self.accessors, strict=True):
+            if cache.numel() == 0:
+                continue
+            saved = accessor.read(cache, slots)
+            probe = torch.arange(accessor.num_kv_heads * accessor.head_size, dtype=torch.float32,
+                                 device=self.device).view(1, accessor.num_kv_heads, accessor.head_size)
+            probe = probe.to(cache.dtype)
+            accessor.write(cache, slots, probe, -probe)
+            got_k, got_v = accessor.read(cache, slots)
+            accessor.write(cache, slots, *saved)
+            if not (torch.equal(got_k, probe) and torch.equal(got_v, -probe)):
+                raise RuntimeError(f"KV layout of layer {name} ({accessor}) failed its read-back probe")
+
+    # ------------------------------------------------------------------------------------------------
+    def on_step(self, runner: Any, scheduler_output: Any) -> None:
+        """Drop requests that left, then carry out this step's plans."""
+        # A preempted request recomputes from scratch (its state goes when it is preempted); a resumed
+        # streaming session keeps its KV and compressed region (its frames are re-read once its prompt grew).
+        gone = set(scheduler_output.finished_req_ids or ()) | set(scheduler_output.preempted_req_ids or ())
+        gone |= {r for r in self.requests if r not in runner.requests}
+        for req_id in scheduler_output.scheduled_cached_reqs.resumed_req_ids or ():
+            state = runner.requests.get(req_id)
+            if state is None or state.num_computed_tokens == 0:
+                gone.add(req_id)  # resumed after a preemption: recomputes from scratch
+        for req_id in gone:
+            tracker = self.requests.pop(req_id, None)
+            if tracker is not None:
+                logger.debug("cords-vllm: request %s left the worker after %d compressions (%.1f ms selecting)",
+                             req_id, tracker.compressions, 1e3 * tracker.selection_seconds)
+        plans = [p for p in plans_of(scheduler_output) if p.req_id not in gone and p.req_id in runner.requests]
+        if plans:
+            with intra_op_threads(self.selection_threads):
+                for plan in plans:
+                    self._apply(runner, plan)
+
+    def holes(self, input_batch: Any) -> list[RowHoles]:
+        """The compressed rows of the persistent batch (host data only; empty when none is compressed)."""
+        if not self.requests:
+            return []
+        index = input_batch.req_id_to_index
+        return [RowHoles(row, *tracker.holes) for req_id, tracker in self.requests.items()
+                if tracker.compressed and (row := index.get(req_id)) is not None]
+
+    def snapshot(self) -> WorkerSnapshot:
+        t = self.totals
+        return WorkerSnapshot(compressions=t.compressions, selection_seconds=t.selection_seconds,
+                              held={r: w.holes for r, w in self.requests.items() if w.compressed},
+                              events=tuple(t.events))
+
+    # ------------------------------------------------------------------------------------------------
+    def _rewrite_rows(self, runner: Any, plan: CompressionPlan) -> None:
+        row = runner.requests[plan.req_id].block_ids[0]
+        if plan.held_entries(row) != list(plan.src_blocks):
+            raise WorkerPlanError(f"worker row of {plan.req_id} disagrees with the scheduler's plan")
+        plan.compact_row(row, NULL_BLOCK_ID)
+        index = runner.input_batch.req_id_to_index.get(plan.req_id)
+        if index is not None:
+            plan.compact_row(runner.input_batch.block_table[0].block_table.np[index], NULL_BLOCK_ID)
+
+    def _frames(self, runner: Any, plan: CompressionPlan, tracker: WorkerRequest) -> RequestFrames | None:
+        """The request's frames when the plan needs them (a streaming session's grow with every turn)."""
+        if self.config.granularity != "frame" and not self.setup.selector.needs_frame_length:
+            return None
+        mrope = getattr(runner.requests[plan.req_id], "mrope_positions", None)
+        if mrope is not None and (tracker.frames is None or tracker.frames.num_tokens != mrope.shape[-1]):
+            tracker.frames = frames_from_mrope(mrope, plan.candidates.spans, self.device)
+        if tracker.frames is None and self.config.granularity == "frame":
+            raise WorkerPlanError(f"request {plan.req_id} has no M-RoPE positions to find its frames in")
+        return tracker.frames
+
+    def _region_batch(self, plan: CompressionPlan, frames: RequestFrames | None) -> RegionBatch:
+        bs = plan.block_size
+        src, kept, spans = upload([np.asarray(plan.src_blocks), np.asarray(plan.kept_blocks),
+                                   np.asarray(plan.candidates.spans).reshape(-1, 2)], self.device)
+        new_ids = torch.arange(plan.prev_region_blocks * bs, plan.region_blocks * bs, device=self.device)
+        granularity = self.config.granularity
+        group_size = {"block": bs, "frame": frames.largest if frames is not None else None}.get(granularity)
+        return RegionBatch(
+            src_slots=slots_of(src, bs), dst_slots=slots_of(kept, bs), new_ids=new_ids, spans=spans,
+            frame_labels=frames.labels if granularity == "frame" and frames is not None else None,
+            num_keep=plan.num_keep, num_keep_candidates=plan.num_keep_candidates,
+            num_candidates=plan.num_held_candidates, group_size=group_size,
+            frame_tokens=frames.first_input if frames is not None else None)
+
+    def _apply(self, runner: Any, plan: CompressionPlan) -> None:
+        self._rewrite_rows(runner, plan)
+        tracker = self.requests.get(plan.req_id)
+        if tracker is None:
+            tracker = self.requests[plan.req_id] = WorkerRequest(ids=[None] * len(self.caches))
+        t0 = time.perf_counter()
+        batch = self._region_batch(plan, self._frames(runner, plan, tracker))
+        tracker.ids = compress_region(self.caches, self.accessors, tracker.ids, batch, self.setup)
+        seconds = time.perf_counter() - t0
+        tracker.holes = (plan.num_keep // plan.block_size, plan.region_blocks)
+        tracker.compressions += 1
+        tracker.selection_seconds += seconds
+        self.totals.compressions += 1
+        self.totals.selection_seconds += seconds
+        self.publisher.add(selection_seconds=seconds)
+        at = runner.requests[plan.req_id].num_computed_tokens
+        logger.debug("cords-vllm: compressed %s at token %d: region %d blocks, kept %d of %d tokens (%d candidates), "
+                     "%.1f ms", plan.req_id, at, plan.region_blocks, plan.num_keep, plan.num_held,
+                     plan.num_keep_candidates, 1e3 * seconds)
+        if self.trace:
+            heads = self.accessors[0].num_kv_heads
+            tail = torch.arange(plan.region_blocks * plan.block_size, at).expand(heads, -1)
+            self.totals.events.append(CompressionEvent(
+                req_id=plan.req_id, at_token=at, region_blocks=plan.region_blocks,
+                kept_logical=tuple(torch.cat([h.cpu(), tail], dim=1) for h in tracker.ids),
+                selection_seconds=seconds))

@@ -1,0 +1,66 @@
+"""The worker's hooks: what the patched model-runner and attention-group methods call (worker processes).
+
+Each model runner gets its :class:`~cords_vllm.integration.worker.compressor.WorkerCompressor` (``None`` for
+``--kv-policy none``: the wrappers then call straight through) the first time a patched method sees it, and
+each of its attention groups is tied to it, so the metadata builder of a group finds the compressed rows of its
+runner's batch. The wrappers are installed from the one patch table, :mod:`cords_vllm.integration.patches`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from cords_vllm.config import KVPolicyConfig
+from cords_vllm.integration.attach import Attached
+from cords_vllm.integration.worker.attention_view import physical_view
+from cords_vllm.integration.worker.compressor import WorkerCompressor
+
+_RUNNER_COMPRESSOR: Attached[WorkerCompressor | None] = Attached("model runner's compressor")
+#: An attention group's runner and that runner's compressor.
+_GROUP_OWNER: Attached[tuple[WorkerCompressor, Any]] = Attached("attention group's runner")
+
+
+def _create(runner: Any) -> WorkerCompressor | None:
+    policy = KVPolicyConfig.from_vllm_config(runner.vllm_config)
+    if not policy.enabled:
+        return None
+    comp = WorkerCompressor(policy, runner)
+    for groups in runner.attn_groups:
+        for group in groups:
+            _GROUP_OWNER.set(group, (comp, runner))
+    return comp
+
+
+def worker_compressor(runner: Any) -> WorkerCompressor | None:
+    """The model runner's compressor (``None`` without a policy), created on first use."""
+    return _RUNNER_COMPRESSOR.get_or_create(runner, lambda: _create(runner))
+
+
+def attached_compressor(runner: Any) -> WorkerCompressor | None:
+    """The runner's compressor if one was created (never creates one: introspection)."""
+    return _RUNNER_COMPRESSOR.get(runner)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Wrappers (``make(original) -> wrapper``), installed by the patch table.
+def make_update_states(original: Callable) -> Callable:
+    def _update_states(self, scheduler_output):
+        result = original(self, scheduler_output)
+        comp = worker_compressor(self)
+        if comp is not None:
+            comp.on_step(self, scheduler_output)
+        return result
+    return _update_states
+
+
+def make_build_metadata(original: Callable) -> Callable:
+    def build_metadata(self, common_attn_metadata, *args, **kwargs):
+        owner = _GROUP_OWNER.get(self)
+        if owner is not None:
+            comp, runner = owner
+            holes = comp.holes(runner.input_batch)
+            if holes:
+                common_attn_metadata = physical_view(common_attn_metadata, holes, self.kv_cache_spec.block_size)
+        return original(self, common_attn_metadata, *args, **kwargs)
+    return build_metadata

@@ -1,0 +1,1 @@
+"""Benchmarks' library: workloads, offline and HTTP drivers, live cameras, soak, accuracy and paired tests."""

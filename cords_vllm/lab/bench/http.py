@@ -1,0 +1,129 @@
+"""Drive a running ``vllm serve`` (any policy) over HTTP and read its own metrics."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from cords_vllm.integration.published import PUBLISH_INTERVAL_S
+from cords_vllm.lab.bench.offline import PolicyResult
+from cords_vllm.lab.bench.workload import VideoWorkload, VQAWorkload
+from cords_vllm.lab.synthetic import jpeg_frames_data_url
+
+
+def _metrics_text(base_url: str) -> str:
+    with urllib.request.urlopen(base_url + "/metrics", timeout=10) as r:
+        return r.read().decode()
+
+
+def num_gpu_blocks(base_url: str) -> int:
+    """The server's KV pool size, from vLLM's ``cache_config_info`` metric."""
+    match = re.search(r'vllm:cache_config_info\{[^}]*num_gpu_blocks="(\d+)"', _metrics_text(base_url))
+    if match is None:
+        raise RuntimeError(f"{base_url}/metrics has no cache_config_info with num_gpu_blocks")
+    return int(match.group(1))
+
+
+def scrape(base_url: str) -> dict[str, float]:
+    """Sum of each metric family on ``/metrics`` (labels ignored)."""
+    text = _metrics_text(base_url)
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        match = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? ([0-9.eE+-]+|NaN)$", line)
+        if match and match.group(3) != "NaN":
+            totals[match.group(1)] = totals.get(match.group(1), 0.0) + float(match.group(3))
+    return totals
+
+
+def run_http(base_url: str, label: str, workload: VideoWorkload | VQAWorkload,
+             on_progress: Callable[[int], None] | None = None, poll_seconds: float = 0.25) -> PolicyResult:
+    """Send the workload to ``base_url`` (streaming chat completions) and measure it.
+
+    Blocks in use and running requests are sampled from ``/metrics`` every ``poll_seconds``.
+    """
+    from openai import OpenAI
+
+    client = OpenAI(base_url=base_url + "/v1", api_key="unused")
+    model = client.models.list().data[0].id
+    requests = workload.requests()
+    urls = {r.request_id: jpeg_frames_data_url(r.frames) for r in requests}
+    before = scrape(base_url)
+    total_blocks = num_gpu_blocks(base_url) - 1  # block 0 is the null block
+    timeline: list[tuple[float, int, int]] = []
+    stop = threading.Event()
+    t0 = time.perf_counter()
+
+    def poll():
+        while not stop.is_set():
+            m = scrape(base_url)
+            # kv_cache_usage_perc is a fraction of the pool in vLLM 0.32
+            in_use = round(total_blocks * m.get("vllm:kv_cache_usage_perc", 0.0))
+            timeline.append((time.perf_counter() - t0, in_use, int(m.get("vllm:num_requests_running", 0))))
+            stop.wait(poll_seconds)
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    ttft: list[float] = []
+    texts: dict[str, str] = {}
+    usage = {"prompt": 0, "output": 0}
+    lock = threading.Lock()
+
+    def one(request):
+        time.sleep(max(0.0, request.arrival - (time.perf_counter() - t0)))
+        sent = time.perf_counter()
+        stream = client.chat.completions.create(
+            model=model, temperature=0.0, max_tokens=workload.max_tokens, stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True, "skip_special_tokens": False},
+            messages=[{"role": "user", "content": [
+                {"type": "video_url", "video_url": {"url": urls[request.request_id]}},
+                {"type": "text", "text": request.question}]}])
+        first = None
+        parts = []
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                parts.append(chunk.choices[0].delta.content)
+                if first is None:
+                    first = time.perf_counter() - sent
+            if chunk.usage:
+                with lock:
+                    usage["prompt"] += chunk.usage.prompt_tokens
+                    usage["output"] += chunk.usage.completion_tokens
+                    usage["fewest_prompt"] = min(usage.get("fewest_prompt", chunk.usage.prompt_tokens),
+                                                 chunk.usage.prompt_tokens)
+        with lock:
+            texts[request.request_id] = "".join(parts)
+            if first is not None:
+                ttft.append(first)
+        if on_progress:
+            on_progress(1)
+
+    with ThreadPoolExecutor(max_workers=len(requests)) as pool:
+        list(pool.map(one, requests))
+    wall = time.perf_counter() - t0
+    stop.set()
+    poller.join()
+    time.sleep(2 * PUBLISH_INTERVAL_S)  # the plugin publishes its counters at most this late
+    after = scrape(base_url)
+    if usage.get("fewest_prompt", workload.video_tokens) < workload.video_tokens:
+        raise RuntimeError(
+            f"the server read a {usage['fewest_prompt']}-token prompt for a video of {workload.video_tokens} "
+            f"tokens ({workload.frames} frames): it sampled the frames (vLLM keeps 32 by default). Start it "
+            """with --media-io-kwargs '{"video": {"num_frames": -1}}' to keep every frame.""")
+
+    def delta(name):
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    return PolicyResult(
+        label=label, policy=label, config={}, num_requests=len(requests), wall_seconds=wall,
+        prompt_tokens=usage["prompt"], output_tokens=usage["output"], ttft_seconds=ttft,
+        peak_running=max((r for _, _, r in timeline), default=0),
+        peak_blocks_in_use=max((b for _, b, _ in timeline), default=0), total_blocks=total_blocks,
+        preemptions=int(delta("vllm:num_preemptions_total")),
+        compressions=int(delta("cords_vllm_compressions_total")),
+        selection_seconds=delta("cords_vllm_selection_seconds_total"), timeline=timeline, answers=texts,
+    )

@@ -1,0 +1,1 @@
+"""Independent references the engine is checked against: :mod:`cords_vllm.lab.reference.hf`, HF eager Qwen2-VL."""

@@ -1,1 +1,0 @@
-"""Independent references the engine is checked against: :mod:`cords_vllm.reference.hf`, HF eager Qwen2-VL."""

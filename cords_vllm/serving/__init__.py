@@ -1,1 +1,0 @@
-"""Running ``vllm serve`` as a subprocess: :mod:`cords_vllm.serving.process` (demo, benchmarks, tests)."""
