@@ -28,19 +28,12 @@ from cords_vllm.selection import (  # noqa: F401  (imported to register the buil
     uniform,
     value_norm,
 )
-from cords_vllm.selection.base import (
-    GRANULARITIES,
-    ParamSpec,
-    SelectionResult,
-    Selector,
-    UnitBatch,
-    compute_dtype,
-    hyperparameter,
-    kept_candidate_count,
-)
+from cords_vllm.selection.base import Selector
+from cords_vllm.selection.batch import GRANULARITIES, UnitBatch, compute_dtype
 from cords_vllm.selection.cords import NOVELTY_VARIANTS, CoRDSSelector, cords_greedy
 from cords_vllm.selection.d2 import KOnlySelector, VOnlySelector
 from cords_vllm.selection.infinipot_v import InfiniPotVSelector
+from cords_vllm.selection.params import ParamSpec, hyperparameter
 from cords_vllm.selection.randomized import RandomSelector
 from cords_vllm.selection.recency import RecencySelector
 from cords_vllm.selection.registry import (
@@ -50,6 +43,7 @@ from cords_vllm.selection.registry import (
     selector_class,
     selector_params,
 )
+from cords_vllm.selection.result import SelectionResult, kept_candidate_count
 from cords_vllm.selection.uniform import UniformSelector
 from cords_vllm.selection.value_norm import ValueNormSelector
 

@@ -34,11 +34,15 @@ Numerics (documented because the brute-force reference applies the same rules):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
-from cords_vllm.selection.base import Selector, UnitBatch, hyperparameter
+from cords_vllm.selection.base import Selector
+from cords_vllm.selection.batch import UnitBatch
+from cords_vllm.selection.params import hyperparameter
 from cords_vllm.selection.ranking import mask_order
 from cords_vllm.selection.registry import register_selector
 
@@ -81,7 +85,361 @@ def _padded_columns(n: int) -> int:
 
 
 def _inverse_norm(norm: torch.Tensor) -> torch.Tensor:
+    """``1 / norm`` elementwise, ``0`` where ``norm`` is 0 (zero vectors have cosine 0 with everything)."""
     return torch.where(norm > 0, 1.0 / torch.where(norm > 0, norm, 1.0), 0.0)
+
+
+@dataclass
+class _Greedy:
+    """State shared by every greedy step of one :func:`cords_greedy` run (``P`` problems of ``M`` units).
+
+    Attributes
+    ----------
+    x:
+        ``[P, M, F]``: the feature components the score reads: keys then values (``F = Dk + Dv``), or the
+        keys alone (``F = Dk``) or the values alone (``F = Dv``); k_only / v_only read half the memory.
+    dk:
+        Width of the key part of ``x`` (``0`` when only values are read).
+    need_k, need_v:
+        Whether the score reads the keys / the values (distance or novelty).
+    ar:
+        ``long [P]``: ``0 .. P-1``, to gather the new point of every problem.
+    kn, vn:
+        ``[P, M]`` key / value norms (zeros where not read).
+    base:
+        ``[P, M]``: ``alpha |k_i|^2 + (1 - alpha) |v_i|^2`` (the terms the distance uses).
+    aux:
+        ``[P, M, 5]``: ``base, |k|, |v|, 1/|k|, 1/|v|``, gathered for the new point in one index op.
+    w:
+        ``[P, C, F]``: the columns of the per-step matmul ``x @ w^T``. Few columns: a skinny GEMM runs at
+        memory speed.
+    dist_scale:
+        ``[F]``: ``-2 alpha`` over the keys, ``-2 (1 - alpha)`` over the values; ``x_j * dist_scale`` is
+        the combined distance column ``-2 (alpha k_j; (1 - alpha) v_j)``.
+    state:
+        ``[P, R, M]``: row 0 is the running minimum distance ``d_alpha(i, S)``; row 1 (``R = 2``, with an
+        orthogonal bonus) the novelty ``Orth(i | S)``. Both are min-max normalised over the pool.
+    out_of_pool:
+        ``bool [P, M]``: invalid or already selected units.
+    alpha, lam:
+        As in :class:`CoRDSSelector`; ``use_kd`` / ``use_vd``: whether the distance has a key / value term.
+    tol, c_tol, c_eps0:
+        :func:`snap_tolerance` (a float and a 0-dim tensor) and ``eps0`` (0-dim): a Python scalar in a
+        binary op costs a conversion each time, which adds up over thousands of small per-step ops.
+    """
+
+    x: torch.Tensor
+    dk: int
+    need_k: bool
+    need_v: bool
+    ar: torch.Tensor
+    kn: torch.Tensor
+    vn: torch.Tensor
+    base: torch.Tensor
+    aux: torch.Tensor
+    w: torch.Tensor
+    dist_scale: torch.Tensor
+    state: torch.Tensor
+    out_of_pool: torch.Tensor
+    alpha: float
+    lam: float
+    use_kd: bool
+    use_vd: bool
+    tol: float
+    c_tol: torch.Tensor
+    c_eps0: torch.Tensor
+
+    @property
+    def min_dist(self) -> torch.Tensor:
+        """``[P, M]`` view of the running minimum distance ``d_alpha(i, S)``."""
+        return self.state[:, 0]
+
+
+def _const(value: float, like: torch.Tensor) -> torch.Tensor:
+    """0-dim tensor of ``value`` with the dtype and device of ``like``."""
+    return torch.tensor(value, dtype=like.dtype, device=like.device)
+
+
+def _setup(feats: torch.Tensor, key_dim: int, valid: torch.Tensor, *, alpha: float, eta: float, lam: float,
+           eps0: float, novelty: str) -> _Greedy:
+    """The state shared by every step: features, per-unit constants, matmul columns, distance state, pool.
+
+    ``feats`` is ``[P, M, Dk + Dv]``, ``valid`` ``bool [P, M]``. Terms that cannot change the score are
+    left out: the values at ``alpha = 1`` when the novelty does not read them, and so on.
+    """
+    p_count, m_units, _ = feats.shape
+    device, dtype = feats.device, feats.dtype
+    tol = snap_tolerance(dtype)
+    use_kd, use_vd = alpha > 0.0, alpha < 1.0
+    use_orth = lam > 0.0
+    use_ko, use_vo = use_orth and eta > 0.0, use_orth and eta < 1.0
+    need_k, need_v = use_kd or use_ko, use_vd or use_vo
+
+    # Work only on the components the score reads (k_only / v_only read half the memory).
+    if need_k and need_v:
+        x_all, dk = feats, key_dim
+    elif need_k:
+        x_all, dk = feats[..., :key_dim].contiguous(), key_dim
+    else:
+        x_all, dk = feats[..., key_dim:].contiguous(), 0
+    f_dim = x_all.shape[-1]
+    zeros = torch.zeros((p_count, m_units), dtype=dtype, device=device)
+    kn = torch.linalg.vector_norm(x_all[..., :dk], dim=-1) if need_k else zeros
+    vn = torch.linalg.vector_norm(x_all[..., dk:], dim=-1) if need_v else zeros
+    base = (alpha * (kn * kn) if use_kd else zeros) + ((1.0 - alpha) * (vn * vn) if use_vd else zeros)
+    aux = torch.stack([base, kn, vn, _inverse_norm(kn), _inverse_norm(vn)], dim=-1)
+
+    # Columns of the per-step matmul. With the max-cosine surrogate the plain dots k.k_j and v.v_j serve
+    # both the distance and the cosines; otherwise one combined distance column, plus the new directions.
+    if not use_orth:
+        n_cols = 1
+    elif novelty == "exact":
+        n_cols = 1 + use_ko + use_vo
+    else:
+        n_cols = need_k + need_v
+    w = torch.zeros((p_count, _padded_columns(n_cols), f_dim), dtype=dtype, device=device)
+    dist_scale = torch.cat([torch.full((dk,), -2.0 * alpha, dtype=dtype, device=device),
+                            torch.full((f_dim - dk,), -2.0 * (1.0 - alpha), dtype=dtype, device=device)])
+
+    state = torch.zeros((p_count, 2 if use_orth else 1, m_units), dtype=dtype, device=device)
+    state[:, 0].fill_(float("inf"))
+    return _Greedy(x=x_all, dk=dk, need_k=need_k, need_v=need_v, ar=torch.arange(p_count, device=device), kn=kn,
+                   vn=vn, base=base, aux=aux, w=w, dist_scale=dist_scale, state=state, out_of_pool=~valid,
+                   alpha=alpha, lam=lam, use_kd=use_kd, use_vd=use_vd, tol=tol, c_tol=_const(tol, feats),
+                   c_eps0=_const(eps0, feats))
+
+
+def _seed(g: _Greedy) -> torch.Tensor:
+    """``long [P]``: the first unit, ``argmax ||k_i + v_i||`` (``||k_i||`` / ``||v_i||`` at ``alpha = 1 / 0``)."""
+    if g.use_kd and g.use_vd:
+        score = torch.linalg.vector_norm(g.x[..., :g.dk] + g.x[..., g.dk:], dim=-1)
+    else:
+        score = g.kn if g.use_kd else g.vn
+    best = score.masked_fill(g.out_of_pool, float("-inf")).amax(-1, keepdim=True)
+    return _first_near_max(score, g.out_of_pool, g.tol * best.clamp_min(0.0))
+
+
+def _take(g: _Greedy, j: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Remove the new points ``j`` (``long [P]``) from the pool; return their features ``[P, F]`` and
+    constants ``[P, 5]`` (``base_j, |k_j|, |v_j|, 1/|k_j|, 1/|v_j|``)."""
+    g.out_of_pool.scatter_(1, j.unsqueeze(-1), True)
+    return g.x[g.ar, j], g.aux[g.ar, j]
+
+
+def _lower_min_dist(g: _Greedy, dist: torch.Tensor, base_sum: torch.Tensor) -> None:
+    """Fold ``d_alpha(i, j)`` (``[P, M]``, unclamped) into the running minimum distance.
+
+    ``base_sum`` (``[P, M]``: ``base_i + base_j``, overwritten) scales the snapping threshold.
+    """
+    dist = dist.clamp_min(0.0)
+    dist.masked_fill_(dist <= base_sum.mul_(g.c_tol), 0.0)
+    torch.minimum(g.min_dist, dist, out=g.min_dist)
+
+
+def _pick(g: _Greedy) -> torch.Tensor:
+    """``long [P]``: the next unit, the best min-max normalised score over the pool (tie rule: lowest index).
+
+    The score is the normalised distance, plus ``lam`` times the normalised novelty when the state has one.
+    """
+    rows = g.out_of_pool.unsqueeze(1)
+    lo = g.state.masked_fill(rows, float("inf")).amin(-1, keepdim=True)
+    hi = g.state.masked_fill(rows, float("-inf")).amax(-1, keepdim=True)
+    normed = (g.state - lo) / (hi - lo + g.c_eps0)
+    score = normed[:, 0] if normed.shape[1] == 1 else torch.add(normed[:, 0], normed[:, 1], alpha=g.lam)
+    return _first_near_max(score, g.out_of_pool, g.c_tol)
+
+
+def _d2_step(g: _Greedy, t: int, j: torch.Tensor) -> torch.Tensor:
+    """One step without the orthogonal bonus (``lam = 0``): add ``j`` (``long [P]``), return the next unit.
+
+    ``w`` has one column, ``x_j * dist_scale``; ``t`` (the step number) is unused.
+    """
+    x, aux_j = _take(g, j)
+    torch.mul(x, g.dist_scale, out=g.w[:, 0])
+    prod = torch.bmm(g.x, g.w.transpose(1, 2))  # [P, M, C]: the one pass over the features
+    base_sum = g.base + aux_j[:, 0:1]  # base_i + base_j
+    _lower_min_dist(g, torch.add(base_sum, prod[..., 0]), base_sum)
+    return _pick(g)
+
+
+@dataclass
+class _MaxCosine:
+    """State of the max-cosine novelty: ``1 - max_{j in S} cos(x_i, x_j)`` for the keys and/or the values.
+
+    Attributes
+    ----------
+    k_col, v_col:
+        Columns of ``w`` holding ``k_j / |k_j|`` and ``v_j / |v_j|`` (whenever the keys / values are read):
+        they yield ``|k_i| cos(k_i, k_j)`` (and so also the key dot of the distance), likewise for values.
+    inv_kn, inv_vn:
+        ``[P, M]``: ``1 / |k_i|``, ``1 / |v_i|`` (0 for zero vectors: their cosine is 0).
+    nov_k, nov_v:
+        ``[P, M]`` running minimum ``1 - cos`` of the keys / values (``None`` when its weight is 0).
+    eta:
+        Key/value weight of the novelty.
+    c_one, c_snap_cos, c_eta, c_eta_v:
+        0-dim constants ``1``, ``1 - tol``, ``eta``, ``1 - eta``.
+    """
+
+    k_col: int | None
+    v_col: int | None
+    inv_kn: torch.Tensor
+    inv_vn: torch.Tensor
+    nov_k: torch.Tensor | None
+    nov_v: torch.Tensor | None
+    eta: float
+    c_one: torch.Tensor
+    c_snap_cos: torch.Tensor
+    c_eta: torch.Tensor
+    c_eta_v: torch.Tensor
+
+    @classmethod
+    def create(cls, g: _Greedy, eta: float) -> _MaxCosine:
+        """The initial state (empty selected set: novelty 2, above any ``1 - cos``)."""
+        k_col = 0 if g.need_k else None
+        v_col = (1 if g.need_k else 0) if g.need_v else None
+        nov_k = torch.full_like(g.base, 2.0) if eta > 0.0 else None
+        nov_v = torch.full_like(g.base, 2.0) if eta < 1.0 else None
+        return cls(k_col=k_col, v_col=v_col, inv_kn=_inverse_norm(g.kn), inv_vn=_inverse_norm(g.vn), nov_k=nov_k,
+                   nov_v=nov_v, eta=eta, c_one=_const(1.0, g.base), c_snap_cos=_const(1.0 - g.tol, g.base),
+                   c_eta=_const(eta, g.base), c_eta_v=_const(1.0 - eta, g.base))
+
+
+def _max_cosine_step(g: _Greedy, nov: _MaxCosine, t: int, j: torch.Tensor) -> torch.Tensor:
+    """One step with the max-cosine novelty: add ``j`` (``long [P]``), return the next unit (``t`` unused)."""
+    x, aux_j = _take(g, j)
+    if nov.k_col is not None:
+        torch.mul(x[:, :g.dk], aux_j[:, 3:4], out=g.w[:, nov.k_col, :g.dk])
+    if nov.v_col is not None:
+        torch.mul(x[:, g.dk:], aux_j[:, 4:5], out=g.w[:, nov.v_col, g.dk:])
+    prod = torch.bmm(g.x, g.w.transpose(1, 2))  # [P, M, C]: the one pass over the features
+
+    base_sum = g.base + aux_j[:, 0:1]  # base_i + base_j
+    dist = base_sum  # k_i.k_j = |k_j| * (column k_col), likewise for values
+    if g.use_kd:
+        dist = torch.addcmul(dist, prod[..., nov.k_col], aux_j[:, 1:2], value=-2.0 * g.alpha)
+    if g.use_vd:
+        dist = torch.addcmul(dist, prod[..., nov.v_col], aux_j[:, 2:3], value=-2.0 * (1.0 - g.alpha))
+    _lower_min_dist(g, dist, base_sum)
+
+    for col, inv, running in ((nov.k_col, nov.inv_kn, nov.nov_k), (nov.v_col, nov.inv_vn, nov.nov_v)):
+        if running is None:
+            continue
+        cos = prod[..., col] * inv
+        cos.masked_fill_(cos >= nov.c_snap_cos, 1.0)
+        torch.minimum(running, nov.c_one - cos, out=running)
+    orth = g.state[:, 1]
+    if nov.nov_k is not None and nov.nov_v is not None:
+        torch.mul(nov.nov_k, nov.c_eta, out=orth)
+        orth.add_(nov.nov_v, alpha=1.0 - nov.eta)
+    elif nov.nov_k is not None:
+        torch.mul(nov.nov_k, nov.c_eta, out=orth)
+    elif nov.nov_v is not None:
+        torch.mul(nov.nov_v, nov.c_eta_v, out=orth)
+    return _pick(g)
+
+
+@dataclass
+class _ExactNovelty:
+    """State of the exact novelty ``eta ||(I - P_S^K) k_i||^2 + (1 - eta) ||(I - P_S^V) v_i||^2``.
+
+    The ``C`` components used (keys and/or values, ``C = 1`` or ``2``) are stacked so that their
+    Gram-Schmidt steps and residual updates run as one batch. Columns of ``w``: 0 is the distance column,
+    ``1 .. C`` the new orthonormal direction of each component.
+
+    Attributes
+    ----------
+    offsets:
+        Where each component starts in a feature row of ``x``.
+    comp_dim:
+        ``Dc``, the width of a component.
+    basis:
+        ``[P * C, k_max, Dc]``: orthonormal (or zero) directions, rows ordered (problem, component).
+    res, res_thr:
+        ``[P, C, M]``: squared residuals ``||(I - P_S) x_i||^2`` and their snapping threshold
+        ``tol * |x_i|^2``.
+    eta_w:
+        ``[1, C, 1]``: ``eta`` for the keys, ``1 - eta`` for the values.
+    c_zero:
+        0-dim ``0``.
+    saturated:
+        Every residual is zero: the spans are the whole feature space and, since residuals never grow, the
+        novelty stays identically zero (the remaining steps are those of ``lam = 0``).
+    """
+
+    offsets: list[int]
+    comp_dim: int
+    basis: torch.Tensor
+    res: torch.Tensor
+    res_thr: torch.Tensor
+    eta_w: torch.Tensor
+    c_zero: torch.Tensor
+    saturated: bool = False
+
+    @classmethod
+    def create(cls, g: _Greedy, eta: float, k_max: int) -> _ExactNovelty:
+        """The initial state (empty selected set: residuals are the squared norms).
+
+        Raises ``ValueError`` when both components are used and ``Dk != Dv``.
+        """
+        comps = [c for c, used in ((0, eta > 0.0), (1, eta < 1.0)) if used]  # 0 = keys, 1 = values
+        f_dim = g.x.shape[-1]
+        comp_dim = g.dk if comps == [0] else f_dim - g.dk
+        if len(comps) == 2 and g.dk != comp_dim:
+            raise ValueError("feats: exact novelty on keys and values needs Dk == Dv")
+        p_count = g.x.shape[0]
+        norms2 = torch.stack([(g.kn * g.kn, g.vn * g.vn)[c] for c in comps], dim=1)  # [P, C, M]
+        res_thr = g.tol * norms2
+        eta_w = torch.tensor([(eta, 1.0 - eta)[c] for c in comps], dtype=g.x.dtype, device=g.x.device)
+        return cls(offsets=[0 if c == 0 else g.dk for c in comps], comp_dim=comp_dim,
+                   basis=torch.zeros((p_count * len(comps), k_max, comp_dim), dtype=g.x.dtype, device=g.x.device),
+                   res=norms2.masked_fill(norms2 <= res_thr, 0.0), res_thr=res_thr,
+                   eta_w=eta_w.view(1, len(comps), 1), c_zero=_const(0.0, g.x))
+
+
+def _exact_step(g: _Greedy, nov: _ExactNovelty, t: int, j: torch.Tensor) -> torch.Tensor:
+    """Step ``t`` with the exact novelty: add ``j`` (``long [P]``), return the next unit.
+
+    Once the novelty is saturated it is identically zero: the step is :func:`_d2_step` (one matmul column).
+    """
+    if nov.saturated:
+        return _d2_step(g, t, j)
+    x, aux_j = _take(g, j)
+    torch.mul(x, g.dist_scale, out=g.w[:, 0])
+    p_count, n_c, dc = x.shape[0], len(nov.offsets), nov.comp_dim
+    # [P * C, Dc]: rows (problem, component); with both components a view of x = [k_j; v_j].
+    xc = x.view(p_count * 2, dc) if n_c == 2 else x[:, nov.offsets[0]:nov.offsets[0] + dc]
+    q = _new_direction(nov.basis, t, xc, (nov.res[g.ar, :, j] > nov.c_zero).reshape(-1))
+    nov.basis[:, t] = q
+    q = q.view(p_count, n_c, dc)
+    for i, off in enumerate(nov.offsets):
+        g.w[:, 1 + i, off:off + dc] = q[:, i]
+    prod = torch.bmm(g.x, g.w.transpose(1, 2))  # [P, M, C]: the one pass over the features
+
+    base_sum = g.base + aux_j[:, 0:1]  # base_i + base_j
+    _lower_min_dist(g, torch.add(base_sum, prod[..., 0]), base_sum)
+    proj = prod[..., 1:1 + n_c].transpose(1, 2)  # [P, C, M]
+    nov.res.addcmul_(proj, proj, value=-1.0).clamp_min_(0.0)
+    nov.res.masked_fill_(nov.res <= nov.res_thr, 0.0)
+    torch.sum(nov.res * nov.eta_w, dim=1, out=g.state[:, 1])
+    nxt = _pick(g)
+    # Residuals never grow: once they are all zero (after at least Dc picks) they stay zero. Drop the
+    # direction columns and the novelty row; the next steps are plain D^2 ones.
+    if t + 1 >= dc and not bool(nov.res.any()):
+        nov.saturated = True
+        g.w = g.w.new_zeros(p_count, 1, g.w.shape[-1])
+        g.state = g.state[:, :1]
+    return nxt
+
+
+def _step_function(g: _Greedy, novelty: str, eta: float, k_max: int) -> Callable[[int, torch.Tensor], torch.Tensor]:
+    """The step of the run, ``(t, j) -> next unit``, bound to its novelty state: :func:`_d2_step` without a
+    bonus (the state has no novelty row), else the step of ``novelty`` (one of :data:`NOVELTY_VARIANTS`)."""
+    if g.state.shape[1] == 1:
+        return partial(_d2_step, g)
+    if novelty == "exact":
+        return partial(_exact_step, g, _ExactNovelty.create(g, eta, k_max))
+    return partial(_max_cosine_step, g, _MaxCosine.create(g, eta))
 
 
 def cords_greedy(
@@ -125,165 +483,26 @@ def cords_greedy(
     ``k`` selected units (Algorithm 1's loop adds ``b`` more; we stop at ``b`` in total).
     Terms that cannot change the score are skipped (the values at ``alpha = 1`` when ``eta = 1`` or
     ``lam = 0``, the novelty state when ``lam = 0``); the result is the same.
+
+    Structure: :func:`_setup` builds the state every step shares, then one step function per variant
+    (:func:`_d2_step` when ``lam = 0``, else :func:`_max_cosine_step` or :func:`_exact_step`), chosen once,
+    adds the last chosen unit and returns the next one.
+
+    Raises
+    ------
+    ValueError
+        ``novelty`` is not one of :data:`NOVELTY_VARIANTS`, or the exact novelty reads keys and values of
+        different widths (``Dk != Dv``).
     """
-    p_count, m_units, _ = feats.shape
-    device, dtype = feats.device, feats.dtype
+    if novelty not in NOVELTY_VARIANTS:
+        raise ValueError(f"novelty: must be one of {', '.join(NOVELTY_VARIANTS)}, got {novelty!r}")
     if k_max == 0:
-        return torch.full((p_count, 0), -1, dtype=torch.long, device=device)
-    tol = snap_tolerance(dtype)
-    exact = novelty == "exact"
-
-    # 0-dim tensors for the constants of the loop: a Python scalar in a binary op costs a conversion
-    # each time, which adds up over thousands of small per-step ops.
-    def const(value: float) -> torch.Tensor:
-        return torch.tensor(value, dtype=dtype, device=device)
-
-    c_zero, c_one, c_tol, c_eps0 = const(0.0), const(1.0), const(tol), const(eps0)
-    c_snap_cos = const(1.0 - tol)
-    c_eta, c_eta_v = const(eta), const(1.0 - eta)
-
-    use_kd, use_vd = alpha > 0.0, alpha < 1.0
-    use_orth = lam > 0.0
-    use_ko, use_vo = use_orth and eta > 0.0, use_orth and eta < 1.0
-    need_k, need_v = use_kd or use_ko, use_vd or use_vo
-
-    # Work only on the components the score reads (k_only / v_only read half the memory).
-    if need_k and need_v:
-        x_all, dk = feats, key_dim
-    elif need_k:
-        x_all, dk = feats[..., :key_dim].contiguous(), key_dim
-    else:
-        x_all, dk = feats[..., key_dim:].contiguous(), 0
-    f_dim = x_all.shape[-1]
-    keys, vals = x_all[..., :dk], x_all[..., dk:]
-    ar = torch.arange(p_count, device=device)
-    zeros = torch.zeros((p_count, m_units), dtype=dtype, device=device)
-    kn = torch.linalg.vector_norm(keys, dim=-1) if need_k else zeros
-    vn = torch.linalg.vector_norm(vals, dim=-1) if need_v else zeros
-    kn2, vn2 = kn * kn, vn * vn
-
-    # Per-unit constants, gathered for the new point in one index op: base, |k|, |v|, 1/|k|, 1/|v|.
-    base = (alpha * kn2 if use_kd else zeros) + ((1.0 - alpha) * vn2 if use_vd else zeros)
-    inv_kn, inv_vn = _inverse_norm(kn), _inverse_norm(vn)
-    aux = torch.stack([base, kn, vn, inv_kn, inv_vn], dim=-1)  # [P, M, 5], gathered once per step
-
-    # Columns of the per-step matmul (few columns: a skinny GEMM runs at memory speed). With the
-    # max-cosine surrogate the plain dots k.k_j and v.v_j serve both the distance and the cosines;
-    # otherwise one combined column -2 (alpha k.k_j + (1 - alpha) v.v_j), plus the new directions.
-    split = use_orth and not exact
-    wanted_cols = (("kdot", split and need_k), ("vdot", split and need_v), ("dist", not split),
-                   ("kq", use_ko and exact), ("vq", use_vo and exact))
-    cols = {name: i for i, name in enumerate(n for n, wanted in wanted_cols if wanted)}
-    w = torch.zeros((p_count, _padded_columns(len(cols)), f_dim), dtype=dtype, device=device)
-    dist_scale = torch.cat([torch.full((dk,), -2.0 * alpha, dtype=dtype, device=device),
-                            torch.full((f_dim - dk,), -2.0 * (1.0 - alpha), dtype=dtype, device=device)])
-
-    # State rows: 0 = min distance d_alpha(i, S); 1 = orthogonal novelty Orth(i | S) (when lam > 0).
-    state = torch.zeros((p_count, 2 if use_orth else 1, m_units), dtype=dtype, device=device)
-    min_dist = state[:, 0]
-    min_dist.fill_(float("inf"))
-    live = exact and use_orth
-    if live:
-        # Exact novelty: the key and value components are stacked ([P, C, ...], C = 1 or 2) so that
-        # their Gram-Schmidt steps and residual updates run as one batch.
-        comps = [c for c, used in ((0, use_ko), (1, use_vo)) if used]  # 0 = keys, 1 = values
-        n_c = len(comps)
-        comp_dim = dk if comps == [0] else f_dim - dk
-        if n_c == 2 and dk != comp_dim:
-            raise ValueError("feats: exact novelty on keys and values needs Dk == Dv")
-        offsets = [0 if c == 0 else dk for c in comps]  # where each component sits in a feature row
-        q_col = cols["kq"] if use_ko else cols["vq"]  # first of the n_c consecutive direction columns
-        basis = torch.zeros((p_count * n_c, k_max, comp_dim), dtype=dtype, device=device)
-        norms2 = torch.stack([(kn2, vn2)[c] for c in comps], dim=1)  # [P, C, M]
-        res_thr = tol * norms2
-        res = norms2.masked_fill(norms2 <= res_thr, 0.0)  # squared residuals ||(I - P_S) x_i||^2
-        eta_w = torch.tensor([(eta, 1.0 - eta)[c] for c in comps], dtype=dtype, device=device).view(1, n_c, 1)
-    else:
-        nov_k = torch.full((p_count, m_units), 2.0, dtype=dtype, device=device) if use_ko else None
-        nov_v = torch.full((p_count, m_units), 2.0, dtype=dtype, device=device) if use_vo else None
-    out_of_pool = ~valid
-    out_of_pool_rows = out_of_pool.unsqueeze(1)
-
-    # Seed.
-    both = use_kd and use_vd
-    seed_score = torch.linalg.vector_norm(keys + vals, dim=-1) if both else (kn if use_kd else vn)
-    seed_best = seed_score.masked_fill(out_of_pool, float("-inf")).amax(-1, keepdim=True)
-    j = _first_near_max(seed_score, out_of_pool, tol * seed_best.clamp_min(0.0))
-
-    chosen = [j]
+        return torch.full((feats.shape[0], 0), -1, dtype=torch.long, device=feats.device)
+    g = _setup(feats, key_dim, valid, alpha=alpha, eta=eta, lam=lam, eps0=eps0, novelty=novelty)
+    step = _step_function(g, novelty, eta, k_max)  # chosen once for the whole run
+    chosen = [_seed(g)]
     for t in range(k_max - 1):
-        out_of_pool.scatter_(1, j.unsqueeze(-1), True)
-
-        # --- incremental update with the new point j: one pass over the features ---------------
-        x = x_all[ar, j]  # [P, F]
-        aux_j = aux[ar, j]  # [P, 5]: base_j, |k_j|, |v_j|, 1/|k_j|, 1/|v_j|
-        if "dist" in cols:
-            torch.mul(x, dist_scale, out=w[:, cols["dist"]])
-        if "kdot" in cols:  # k_j / |k_j|: the column yields |k_i| cos(k_i, k_j)
-            torch.mul(x[:, :dk], aux_j[:, 3:4], out=w[:, cols["kdot"], :dk])
-        if "vdot" in cols:
-            torch.mul(x[:, dk:], aux_j[:, 4:5], out=w[:, cols["vdot"], dk:])
-        if live:
-            # [P * C, dim]: rows (problem, component); with both components a view of x = [k_j; v_j].
-            xc = x.view(p_count * 2, comp_dim) if n_c == 2 else x[:, offsets[0]:offsets[0] + comp_dim]
-            q = _new_direction(basis, t, xc, (res[ar, :, j] > c_zero).reshape(-1))
-            basis[:, t] = q
-            q = q.view(p_count, n_c, comp_dim)
-            for i, off in enumerate(offsets):
-                w[:, q_col + i, off:off + comp_dim] = q[:, i]
-        prod = torch.bmm(x_all, w.transpose(1, 2))  # [P, M, C]: the one pass over the features
-
-        base_sum = base + aux_j[:, 0:1]  # base_i + base_j
-        if "dist" in cols:
-            dist = torch.add(base_sum, prod[..., cols["dist"]])
-        else:  # k_i.k_j = |k_j| * (column kdot), likewise for values
-            dist = base_sum
-            if use_kd:
-                dist = torch.addcmul(dist, prod[..., cols["kdot"]], aux_j[:, 1:2], value=-2.0 * alpha)
-            if use_vd:
-                dist = torch.addcmul(dist, prod[..., cols["vdot"]], aux_j[:, 2:3], value=-2.0 * (1.0 - alpha))
-        dist = dist.clamp_min(0.0)
-        dist.masked_fill_(dist <= base_sum.mul_(c_tol), 0.0)
-        torch.minimum(min_dist, dist, out=min_dist)
-
-        if use_orth:
-            orth = state[:, 1]
-            if exact:
-                if live:
-                    proj = prod[..., q_col:q_col + n_c].transpose(1, 2)  # [P, C, M]
-                    res.addcmul_(proj, proj, value=-1.0).clamp_min_(0.0)
-                    res.masked_fill_(res <= res_thr, 0.0)
-                    # Residuals never grow: once they are all zero (the spans are the whole feature
-                    # space, after at least dim picks) they stay zero; drop the direction columns.
-                    if t + 1 >= comp_dim and not bool(res.any()):
-                        live = False
-                        names = [name for name in cols if name not in ("kq", "vq")]
-                        pad = w.new_zeros(p_count, _padded_columns(len(names)) - len(names), f_dim)
-                        w = torch.cat([w[:, [cols[name] for name in names]], pad], 1)
-                        cols = {name: i for i, name in enumerate(names)}
-                torch.sum(res * eta_w, dim=1, out=orth)
-            else:
-                for name, inv, nov in (("kdot", inv_kn, nov_k), ("vdot", inv_vn, nov_v)):
-                    if nov is None:
-                        continue
-                    cos = prod[..., cols[name]] * inv
-                    cos.masked_fill_(cos >= c_snap_cos, 1.0)
-                    torch.minimum(nov, c_one - cos, out=nov)
-                if nov_k is not None and nov_v is not None:
-                    torch.mul(nov_k, c_eta, out=orth)
-                    orth.add_(nov_v, alpha=1.0 - eta)
-                elif nov_k is not None:
-                    torch.mul(nov_k, c_eta, out=orth)
-                else:
-                    torch.mul(nov_v, c_eta_v, out=orth)
-
-        # --- min-max over the pool, score, next point --------------------------------------------
-        lo = state.masked_fill(out_of_pool_rows, float("inf")).amin(-1, keepdim=True)
-        hi = state.masked_fill(out_of_pool_rows, float("-inf")).amax(-1, keepdim=True)
-        normed = (state - lo) / (hi - lo + c_eps0)
-        score = torch.add(normed[:, 0], normed[:, 1], alpha=lam) if use_orth else normed[:, 0]
-        j = _first_near_max(score, out_of_pool, c_tol)
-        chosen.append(j)
+        chosen.append(step(t, chosen[-1]))
     return mask_order(torch.stack(chosen, dim=1), k)
 
 

@@ -12,7 +12,8 @@ from typing import ClassVar
 
 import torch
 
-from cords_vllm.selection.base import Selector, UnitBatch
+from cords_vllm.selection.base import Selector
+from cords_vllm.selection.batch import UnitBatch
 from cords_vllm.selection.cords import cords_greedy
 from cords_vllm.selection.registry import register_selector
 

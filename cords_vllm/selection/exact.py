@@ -71,7 +71,9 @@ def select_exact(selector: Selector, keys: torch.Tensor, values: torch.Tensor, n
     if not 0 <= need < num_candidates:
         raise ValueError(f"need: must be in [0, {num_candidates}) (the candidate count), got {need}")
     if granularity == "frame" and group_index is not None:
-        assert group_size is not None, "group_size: required at frame granularity"
+        if group_size is None:
+            raise ValueError("group_size: required (the largest frame, in tokens) at frame granularity with "
+                             "group_index")
         keep = _labelled_frames(selector, keys, values, candidates, group_index, need, group_size,
                                 frame_budget, generator)
     elif granularity == "token" or group_size is None or cdiv(need, group_size) > num_candidates // group_size:

@@ -6,8 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
-from cords_vllm.selection.base import Selector, UnitBatch, hyperparameter
+from cords_vllm.selection.base import Selector
+from cords_vllm.selection.batch import UnitBatch
 from cords_vllm.selection.granularity import units_to_mask
+from cords_vllm.selection.params import hyperparameter
 from cords_vllm.selection.ranking import mask_order, top_k_order
 from cords_vllm.selection.registry import register_selector
 
@@ -46,7 +48,9 @@ class InfiniPotVSelector(Selector):
                                       help="fraction of the budget chosen by temporal redundancy (TaR)")
 
     def _order_units(self, units: UnitBatch) -> torch.Tensor:
-        assert units.period is not None  # checked by select(): needs_frame_length
+        if units.period is None:  # select() refuses this (needs_frame_length): only a hand-built batch
+            raise ValueError(f"{self.name}: units.period is None; the frame period is required (pass group_size "
+                             "= tokens per frame at token granularity)")
         redundancy = temporal_redundancy(units.keys, units.rank, units.valid, units.count,
                                          units.unit_at_rank(), units.period)
         n_tar = torch.floor(units.k.to(torch.float64) * self.tar_ratio).to(torch.long)
@@ -76,7 +80,7 @@ def temporal_redundancy(
     keys:
         ``[P, M, Dk]``.
     rank, valid, count, unit_at_rank:
-        As in :class:`~cords_vllm.selection.base.UnitBatch`.
+        As in :class:`~cords_vllm.selection.batch.UnitBatch`.
     period:
         Rank distance to the same spatial position in the next frame.
 

@@ -6,7 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from cords_vllm.selection.base import Selector, UnitBatch, hyperparameter
+from cords_vllm.selection.base import Selector
+from cords_vllm.selection.batch import UnitBatch
+from cords_vllm.selection.params import hyperparameter
 from cords_vllm.selection.ranking import top_k_order
 from cords_vllm.selection.registry import register_selector
 

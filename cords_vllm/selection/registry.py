@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from cords_vllm.selection.base import ParamSpec, Selector
+from cords_vllm.selection.base import Selector
+from cords_vllm.selection.params import ParamSpec
 
 _REGISTRY: dict[str, type[Selector]] = {}
 

@@ -7,6 +7,7 @@ import torch
 from kv_cases import random_candidates, random_kv
 
 from cords_vllm.selection import SelectionResult, get_selector, kept_candidate_count
+from cords_vllm.selection.features import group_features, token_features
 from cords_vllm.selection.granularity import candidate_ranks, group_centroids, group_ids
 from cords_vllm.utils import cdiv
 
@@ -75,8 +76,6 @@ def test_kept_indices_requires_rectangular_results() -> None:
 
 
 def test_shared_candidate_fast_paths_match_the_general_path() -> None:
-    from cords_vllm.selection.features import group_features, token_features
-
     keys, values = random_kv(5, 2, 3, 30, 4)
     contiguous = torch.zeros(2, 30, dtype=torch.bool)
     contiguous[:, 3:26] = True

@@ -94,7 +94,7 @@ def test_direct_construction_is_validated_too() -> None:
 
 
 def test_selection_does_not_import_vllm() -> None:
-    code = ("import sys, cords_vllm.selection, cords_vllm.metrics, cords_vllm.synthetic.kv; "
+    code = ("import sys, cords_vllm.selection, cords_vllm.lab.fidelity, cords_vllm.lab.synthetic.kv; "
             "bad = [m for m in sys.modules if m == 'vllm' or m.startswith('vllm.') or m == 'matplotlib']; "
             "print(bad); sys.exit(1 if bad else 0)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
