@@ -1,0 +1,50 @@
+"""The README's layout and the architecture note name the code as it is: every path exists, every module is named."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def layout_paths() -> set[str]:
+    """Every path the README's ``### Layout`` block names (indentation = nesting, two spaces a level)."""
+    text = (REPO / "README.md").read_text()
+    block = text.split("### Layout", 1)[1].split("```", 2)[1]
+    paths: set[str] = set()
+    parents: list[str] = []
+    for line in block.splitlines():
+        if not line.strip():
+            continue
+        depth = (len(line) - len(line.lstrip())) // 2
+        head = re.split(r"\s{2,}|\s\(", line.strip(), maxsplit=1)[0]
+        names = [n.strip() for n in re.split(r",\s*|\s+", head) if n.strip()]
+        parents = parents[:depth]
+        for name in names:
+            paths.add("/".join([*parents, name.rstrip("/")]))
+        if len(names) == 1 and names[0].endswith("/"):
+            parents.append(names[0].rstrip("/"))
+    return paths
+
+
+def test_every_path_of_the_layout_exists():
+    missing = sorted(p for p in layout_paths() if not (REPO / p).exists())
+    assert missing == []
+
+
+def test_the_layout_names_every_module_of_the_runtime_and_the_seam():
+    named = layout_paths()
+    for folder in ("cords_vllm", "cords_vllm/integration", "cords_vllm/lab"):
+        children = {f"{folder}/{p.name}" for p in (REPO / folder).iterdir()
+                    if (p.suffix == ".py" and (p.name != "__init__.py" or folder == "cords_vllm"))
+                    or (p / "__init__.py").is_file() or p.name == "assets"}
+        assert children - named == set(), f"not in the README's layout: {sorted(children - named)}"
+
+
+def test_the_architecture_note_names_existing_code():
+    text = (REPO / "docs" / "architecture.md").read_text()
+    for path in set(re.findall(r"`((?:integration|lab|selection|compress|conversation)/[\w/]*\.?\w*)`", text)):
+        assert (REPO / "cords_vllm" / path.rstrip("/")).exists(), path
+    for name in re.findall(r"`(\w+\.py)`", text):
+        assert list((REPO / "cords_vllm").rglob(name)), name
