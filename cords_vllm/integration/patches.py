@@ -62,9 +62,11 @@ ENGINE_CORE: tuple[Entry, ...] = (
           upstream="patches/0001-scheduler-kv-compactor-hook.patch"),
     Call("vllm.v1.core.block_pool:BlockPool.free_blocks", ("self", "ordered_blocks"),
          why="return a compressed region's evicted blocks to the pool before the step allocates"),
+    Call("vllm.v1.core.sched.request_queue:RequestQueue.remove_requests", ("self", "requests"),
+         why="take a request the engine cannot serve out of the waiting queues before the step can schedule it"),
     Drains(f"{_SCHEDULER}.update_from_output", "encoder_cache_mismatch_reqs",
            why="the only way to end a request with FINISHED_ERROR from the scheduler and tell its client (a "
-               "request past max_text_tokens or with invalid overrides)"),
+               "session past --max-model-len; under a policy, past max_text_tokens or with invalid overrides)"),
 )
 
 #: Workers: the model runner and the attention metadata builders.

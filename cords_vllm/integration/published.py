@@ -12,6 +12,8 @@ across that boundary, so every producer owns one :class:`Publisher`:
 * :func:`read_published` is the one reader (API-server side): counters summed over publishers, high-water marks
   the largest, and the KV each stream holds **keyed by the request's external id** (the id the API server gave
   the request), so a listing looks each stream up directly.
+* The engine also publishes why it ended a request with an error (:meth:`Publisher.end`), so the stream API
+  names the reason in its ``410``.
 * With several API servers (``--api-server-count N``) vLLM serves ``/metrics`` from ``PROMETHEUS_MULTIPROC_DIR``
   only, so a publisher also adds its increments to ordinary ``prometheus_client`` counters there (high-water
   marks as ``max``-mode gauges); every API server reports the same totals.
@@ -55,6 +57,9 @@ PEAKS: dict[str, str] = {
                               "allocations, before its frees), under any KV policy",
 }
 
+#: Reasons of ended requests a publisher keeps (the oldest go first).
+ENDED_KEPT = 256
+
 T = TypeVar("T")
 
 _live_publishers: weakref.WeakSet[Publisher] = weakref.WeakSet()
@@ -87,12 +92,14 @@ class Published:
     """Everything the engine's publishers have published, as one reader sees it.
 
     ``counters``: summed over publishers; ``peaks``: the largest; ``streams``: the KV each resumable request
-    (live stream) holds, by its external request id.
+    (live stream) holds, by its external request id; ``ended``: why the engine ended a request with an error,
+    by external id (the most recent :data:`ENDED_KEPT` per publisher).
     """
 
     counters: dict[str, float]
     peaks: dict[str, float]
     streams: dict[str, HeldKV] = field(default_factory=dict)
+    ended: dict[str, str] = field(default_factory=dict)
 
     def totals(self) -> dict[str, float]:
         """Counters and high-water marks in one mapping (what ``/metrics`` exports)."""
@@ -127,10 +134,11 @@ class Publisher:
         self.interval = interval
         self.totals = dict.fromkeys([*COUNTERS, *PEAKS], 0.0)
         self.streams: dict[str, HeldKV] = {}
+        self.ended: dict[str, str] = {}
         self._lock = threading.Lock()
         self._publishing = threading.Lock()
         self._timer: threading.Timer | None = None
-        self._published: tuple[dict[str, float], dict[str, HeldKV]] = (dict(self.totals), {})
+        self._published: tuple[dict[str, float], dict[str, HeldKV], dict[str, str]] = (dict(self.totals), {}, {})
         _live_publishers.add(self)
         _multiprocess_metrics()  # with several API servers, /metrics shows the counters (at 0) from now on
 
@@ -165,6 +173,14 @@ class Publisher:
             self.streams = dict(streams)
             self._schedule_flush()
 
+    def end(self, external_id: str, reason: str) -> None:
+        """Record why the engine ended a request with an error (in memory only, like :meth:`add`)."""
+        with self._lock:
+            self.ended[external_id] = reason
+            while len(self.ended) > ENDED_KEPT:
+                del self.ended[next(iter(self.ended))]
+            self._schedule_flush()
+
     def _schedule_flush(self) -> None:
         """Start the publication timer unless one is pending (caller holds ``_lock``)."""
         if self._timer is None:
@@ -177,13 +193,13 @@ class Publisher:
         with self._publishing:  # one publication at a time, so a later one never lands before an earlier one
             with self._lock:
                 timer, self._timer = self._timer, None
-                current = (dict(self.totals), self.streams)
+                current = (dict(self.totals), self.streams, dict(self.ended))
             if timer is not None and timer is not threading.current_thread():
                 timer.cancel()
             previous, self._published = self._published, current
             if current == previous:
                 return
-            totals, streams = current
+            totals, streams, ended = current
             published = previous[0]
             metrics = _multiprocess_metrics()
             if metrics is not None:
@@ -195,7 +211,8 @@ class Publisher:
                             metrics[name].inc(total - published[name])
             if self.path is not None and self.path.parent.is_dir():
                 tmp = self.path.with_suffix(".tmp")
-                tmp.write_text(json.dumps({"totals": totals, "streams": {k: asdict(v) for k, v in streams.items()}}))
+                tmp.write_text(json.dumps({"totals": totals, "streams": {k: asdict(v) for k, v in streams.items()},
+                                           "ended": ended}))
                 os.replace(tmp, self.path)
 
 
@@ -211,8 +228,9 @@ def read_published(directory: Path | None = None) -> Published:
     counters = dict.fromkeys(COUNTERS, 0.0)
     peaks = dict.fromkeys(PEAKS, 0.0)
     streams: dict[str, HeldKV] = {}
+    ended: dict[str, str] = {}
     if directory is None or not directory.is_dir():
-        return Published(counters, peaks, streams)
+        return Published(counters, peaks, streams, ended)
     for file in directory.glob("*.json"):
         try:
             values = json.loads(file.read_text())
@@ -224,7 +242,8 @@ def read_published(directory: Path | None = None) -> Published:
         for name in PEAKS:
             peaks[name] = max(peaks[name], float(totals.get(name, 0.0)))
         streams.update({k: HeldKV(**v) for k, v in values.get("streams", {}).items()})
-    return Published(counters, peaks, streams)
+        ended.update(values.get("ended", {}))
+    return Published(counters, peaks, streams, ended)
 
 
 def read_totals(directory: Path | None = None) -> dict[str, float]:

@@ -85,3 +85,40 @@ def test_a_request_with_more_text_than_max_text_tokens_ends_with_an_error(tiny_m
     assert snapshot(llm).free_blocks == POOL
     del llm
     gc.collect()
+
+
+@pytest.mark.parametrize("policy", ["cords", "none"])
+def test_a_session_past_max_model_len_ends_alone_and_the_engine_serves_on(tiny_model, policy):
+    """vLLM checks a request's length only when it arrives; a session grows with every turn. The turn that takes
+    it to --max-model-len ends it with an error (its reason published by its external id) before any step
+    schedules it: the engine, and every other session, serve on."""
+    from cords_vllm.integration.engine_core.hooks import scheduler_hooks
+    from cords_vllm.integration.inprocess.introspect import scheduler_of
+    from cords_vllm.integration.inprocess.session import SessionClosed
+
+    max_len = 1024
+    if policy == "cords":
+        llm = _llm(tiny_model, max_model_len=max_len, max_text_tokens=MAX_TEXT)
+    else:
+        # room for both sessions at full length: without a policy, a pool full of sessions stalls them all
+        pool_bytes = (2 * max_len // BLOCK + 1) * kv_bytes_per_block(tiny_model, BLOCK, 4)
+        llm = make_llm(tiny_model, block_size=BLOCK, max_model_len=max_len, kv_cache_memory_bytes=pool_bytes)
+    free = snapshot(llm).free_blocks
+    other = EngineSession(llm, "other")
+    other.push({"prompt": "<|im_start|>user\n" + CLIP, "multi_modal_data": {"video": video(4, seed=1)}})
+    other_tokens = snapshot(llm).requests[other.request_id].candidate_tokens
+    session = EngineSession(llm, "camera")
+    with pytest.raises(SessionClosed, match="ended session camera"):
+        for i in range(max_len // 128 + 2):  # 130 tokens a push
+            session.push({"prompt": ("<|im_start|>user\n" if i == 0 else "") + CLIP,
+                          "multi_modal_data": {"video": video(4, seed=i % 7)}})
+    assert i == max_len // 130  # the first push past the limit, not an earlier one
+    publisher = scheduler_hooks(scheduler_of(llm)).publisher
+    assert "--max-model-len is 1024" in publisher.ended["camera"]
+    assert session.request_id not in snapshot(llm).requests
+    answer = other.push({"prompt": "What color was the square?<|im_end|>\n<|im_start|>assistant\n"}, max_tokens=2)
+    assert len(answer) == 2 and snapshot(llm).requests[other.request_id].candidate_tokens == other_tokens
+    other.close()
+    assert snapshot(llm).free_blocks == free
+    del llm
+    gc.collect()

@@ -76,7 +76,7 @@ def test_changes_are_published_within_the_interval(metrics_dir):
 
 
 def test_streams_are_published_by_external_id_and_replaced_not_merged(metrics_dir):
-    from cords_vllm.integration.published import HeldKV, read_published
+    from cords_vllm.integration.published import ENDED_KEPT, HeldKV, read_published
 
     scheduler, other = Publisher("scheduler", interval=60.0), Publisher("scheduler", interval=60.0)
     scheduler.hold({"cam-1": HeldKV(blocks=3, tokens=90, stream_tokens=400)})
@@ -90,6 +90,11 @@ def test_streams_are_published_by_external_id_and_replaced_not_merged(metrics_di
     scheduler.flush()
     assert read_published(metrics_dir).streams == {"cam-2": HeldKV(5, 150, 900)}
     assert read_published(metrics_dir).counters["compressions"] == 0
+    for i in range(300):  # why requests ended: the most recent kept, by external id
+        scheduler.end(f"cam-{i}", f"reason {i}")
+    scheduler.flush()
+    ended = read_published(metrics_dir).ended
+    assert len(ended) == ENDED_KEPT and ended["cam-299"] == "reason 299" and "cam-0" not in ended
 
 
 def test_the_external_id_is_the_engine_id_without_vllms_random_suffix(monkeypatch):

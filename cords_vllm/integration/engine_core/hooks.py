@@ -15,6 +15,7 @@ from vllm.v1.core import kv_cache_utils
 
 from cords_vllm.config import KVPolicyConfig
 from cords_vllm.integration.attach import Attached
+from cords_vllm.integration.engine_core.ending import RequestEnder
 from cords_vllm.integration.engine_core.observers import HeldKVObserver, StepObserver
 from cords_vllm.integration.engine_core.scheduler import SchedulerCompressor
 from cords_vllm.integration.published import Publisher
@@ -29,10 +30,12 @@ def policy_of(vllm_config: Any) -> KVPolicyConfig | None:
 
 @dataclass
 class SchedulerHooks:
-    """Per-scheduler plugin state: its compressor (``None`` without a policy), publisher and step observers."""
+    """Per-scheduler plugin state: its compressor (``None`` without a policy), publisher, the requests it ends
+    and its step observers."""
 
     compressor: SchedulerCompressor | None
     publisher: Publisher
+    ender: RequestEnder
     observers: list[StepObserver] = field(default_factory=list)
 
 
@@ -45,7 +48,8 @@ def _create_hooks(scheduler: Any) -> SchedulerHooks:
     publisher = Publisher("scheduler")
     compressor = SchedulerCompressor(policy, scheduler, publisher) if policy else None
     _MANAGER_COMPRESSOR.set(scheduler.kv_cache_manager, compressor)
-    return SchedulerHooks(compressor, publisher, [HeldKVObserver(compressor, publisher)])
+    ender = RequestEnder(publisher, scheduler.vllm_config.model_config.max_model_len)
+    return SchedulerHooks(compressor, publisher, ender, [HeldKVObserver(compressor, publisher)])
 
 
 def scheduler_hooks(scheduler: Any) -> SchedulerHooks:
@@ -66,6 +70,7 @@ def make_schedule(original: Callable) -> Callable:
     def schedule(self, *args, **kwargs):
         hooks = scheduler_hooks(self)
         comp = hooks.compressor
+        hooks.ender.end_unservable(self, comp.invalid_reason if comp is not None else None)
         if comp is not None:
             comp.before_schedule(self)
         output = original(self, *args, **kwargs)

@@ -30,17 +30,6 @@ from cords_vllm.integration.published import Publisher
 logger = logging.getLogger(__name__)
 
 
-def end_with_error(scheduler: Any, req_id: str) -> None:
-    """End a waiting request with ``FINISHED_ERROR`` through vLLM's own error channel.
-
-    vLLM 0.32's scheduler has no call that fails a request and reports it to its client; the requests it
-    ends that way are the ids it collects in a few sets that ``update_from_output`` drains into
-    ``FINISHED_ERROR`` outputs. The plugin adds to the encoder-cache-mismatch set, which means exactly "end
-    this request with an error"; the patch table checks that ``update_from_output`` still drains it.
-    """
-    scheduler.encoder_cache_mismatch_reqs.add(req_id)
-
-
 class _BlockIds:
     """The block ids of a row of ``KVCacheBlock`` objects, read lazily (the planner reads a few slices only)."""
 
@@ -83,13 +72,11 @@ class SchedulerCompressor:
 
     # ------------------------------------------------------------------------------------------------
     def before_schedule(self, scheduler: Any) -> None:
-        """Forget requests that left, end the ones the policy cannot serve, compress running prompts over budget
-        (their evicted blocks are freed now)."""
+        """Forget requests that left, compress running prompts over budget (their evicted blocks are freed now)."""
         for req_id in [r for r in self.trackers if r not in scheduler.requests]:
             state = self.trackers.pop(req_id).state
             logger.debug("cords-vllm: request %s done: %d compressions, %d candidate tokens evicted", req_id,
                          state.compressions, state.evicted_tokens)
-        self._end_invalid_requests(scheduler)
         for request in scheduler.running:
             self._maybe_compress(request)
 
@@ -118,25 +105,18 @@ class SchedulerCompressor:
                      request.request_id, request.num_computed_tokens, plan.region_blocks, len(freed),
                      plan.num_keep_candidates)
 
-    def _end_invalid_requests(self, scheduler: Any) -> None:
-        """End waiting requests (new ones, and sessions whose next turn arrived) that the policy cannot serve:
-        more protected (non-candidate) tokens than ``max_text_tokens`` (the start-up rule only promised the pool
-        their bounded footprint), or invalid per-request overrides (:func:`end_with_error`)."""
-        for request in [*scheduler.waiting, *getattr(scheduler, "kv_holding_waiting", ())]:
-            tracker = self.tracker(request)
-            if tracker.ending:
-                continue
-            reason = None
-            text = request.num_tokens - tracker.candidates(request, self.facts, self.config).total
-            if text > self.text_limit:
-                reason = (f"holds {text} protected (text) tokens, more than kv_policy_config key 'max_text_tokens' "
-                          f"({self.text_limit})")
-            elif isinstance(invalid := tracker.narrowed(request, self.config), KVPolicyConfigError):
-                reason = str(invalid)
-            if reason is not None:
-                tracker.ending = True
-                logger.warning("cords-vllm: request %s %s: it is ended with an error", request.request_id, reason)
-                end_with_error(scheduler, request.request_id)
+    def invalid_reason(self, request: Any) -> str | None:
+        """Why the policy cannot serve a waiting request (new, or a session whose next turn arrived): more
+        protected (non-candidate) tokens than ``max_text_tokens`` (the start-up rule only promised the pool its
+        bounded footprint), or invalid per-request overrides; ``None`` if it can."""
+        tracker = self.tracker(request)
+        text = request.num_tokens - tracker.candidates(request, self.facts, self.config).total
+        if text > self.text_limit:
+            return (f"it holds {text} protected (text) tokens, more than kv_policy_config key 'max_text_tokens' "
+                    f"({self.text_limit})")
+        if isinstance(invalid := tracker.narrowed(request, self.config), KVPolicyConfigError):
+            return str(invalid)
+        return None
 
     def after_schedule(self, scheduler_output: Any) -> None:
         """Attach this step's plans (minus requests the step preempted) to its output."""

@@ -59,13 +59,10 @@ class RequestTracker:
         Engine-internal request id.
     state:
         Its compressed prefix (:class:`~cords_vllm.compress.plan.RequestCompressionState`).
-    ending:
-        It was handed to vLLM's error channel and ends with the next step's output.
     """
 
     req_id: str
     state: RequestCompressionState = field(default_factory=RequestCompressionState)
-    ending: bool = False
     _spans: tuple[int, CandidateSpans] = (-1, _NO_SPANS)
     _settings: tuple[Any, BudgetSettings | KVPolicyConfigError] | None = None
     _footprint: tuple[int, int] | None = None

@@ -90,6 +90,11 @@ class EngineSession:
             if out.request_id not in (self.request_id, self.external_id):
                 continue
             self._tokens.extend(out.outputs[0].token_ids)
+            if out.outputs[0].finish_reason == "error":
+                # The engine ended the session (its blocks are free); the output processor still waits for
+                # the session's next input until it is told otherwise.
+                self.abort()
+                raise SessionClosed(f"the engine ended session {self.external_id} with an error (the log says why)")
             if out.outputs[0].finish_reason is not None or out.finished:
                 return True
         if not self.engine.has_unfinished_requests():

@@ -23,6 +23,7 @@ import numpy as np
 
 from cords_vllm.conversation.text_budget import TextBudget, TextRoomExceeded
 from cords_vllm.conversation.transcript import Transcript
+from cords_vllm.integration.published import PUBLISH_INTERVAL_S, read_published
 
 #: Frames per temporal patch of the Qwen-VL video encoders: a clip holds an even number of frames.
 TEMPORAL_PATCH = 2
@@ -154,6 +155,11 @@ class LiveStream:
                 finish = completion.finish_reason if completion is not None else None
                 if output.finished and finish is None:
                     finish = "stop"
+                if finish == "error":
+                    # The engine ended the request (vLLM then starts a fresh request for the next input under the
+                    # same id, with none of the stream's history): the stream ends here, and its turn with it.
+                    self.ended = self.ended or _engine_end_reason(finish, await published_end_reason(self.id))
+                    break
                 if turn is not None:
                     turn.put(completion.text if completion else "", list(completion.token_ids) if completion else [],
                              finish)
@@ -174,6 +180,9 @@ class LiveStream:
             if self._turn is not None:
                 self._turn.fail(StreamEnded(self.ended))
                 self._turn = None
+            self._inputs.put_nowait(None)  # no further input reaches the engine under this stream's id
+            with contextlib.suppress(Exception):
+                await generator.aclose()
 
     # ----------------------------------------------------------------------------------------------
     async def run_turn(self, build: Callable[[Transcript], dict[str, Any]], params: Any, what: str) -> Turn:
@@ -271,7 +280,18 @@ class LiveStream:
         return 0.0 if self.busy else time.monotonic() - self.last_active
 
 
-def _engine_end_reason(finish_reason: str | None) -> str:
+async def published_end_reason(stream_id: str, timeout: float = 4 * PUBLISH_INTERVAL_S) -> str | None:
+    """Why the engine ended stream ``stream_id`` with an error, as it published it (``None`` if it has not within
+    ``timeout`` seconds: an error the plugin did not raise itself)."""
+    deadline = time.monotonic() + timeout
+    while (reason := read_published().ended.get(stream_id)) is None and time.monotonic() < deadline:
+        await asyncio.sleep(PUBLISH_INTERVAL_S / 5)
+    return reason
+
+
+def _engine_end_reason(finish_reason: str | None, published: str | None = None) -> str:
+    if published is not None:
+        return f"the engine ended the stream: {published}"
     if finish_reason == "length":
         return "the engine ended the stream: it reached --max-model-len tokens"
     if finish_reason == "error":
