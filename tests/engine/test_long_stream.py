@@ -122,3 +122,13 @@ def test_a_session_past_max_model_len_ends_alone_and_the_engine_serves_on(tiny_m
     assert snapshot(llm).free_blocks == free
     del llm
     gc.collect()
+
+
+def test_only_a_session_is_ended_for_its_length_and_only_when_no_token_fits():
+    from types import SimpleNamespace
+
+    from cords_vllm.integration.engine_core.ending import length_reason
+
+    assert length_reason(SimpleNamespace(resumable=True, num_tokens=1023), 1024) is None
+    assert "--max-model-len is 1024" in length_reason(SimpleNamespace(resumable=True, num_tokens=1024), 1024)
+    assert length_reason(SimpleNamespace(resumable=False, num_tokens=5000), 1024) is None  # vLLM checked it

@@ -42,11 +42,12 @@ def end_with_error(scheduler: Any, req_id: str) -> None:
 
 
 def length_reason(request: Any, max_model_len: int) -> str | None:
-    """Why ``request`` cannot run its next turn within ``max_model_len`` tokens (``None`` if it can).
+    """Why a streaming session cannot run its next turn within ``max_model_len`` tokens (``None`` if it can, or
+    if ``request`` is not a session: vLLM checked its length when it arrived).
 
     A turn must leave room for at least one generated token.
     """
-    if request.num_tokens < max_model_len:
+    if not getattr(request, "resumable", False) or request.num_tokens < max_model_len:
         return None
     return (f"its next turn takes it to {request.num_tokens} tokens, and --max-model-len is {max_model_len}: "
             "every token a stream has pushed counts towards its length, evicted ones included")
