@@ -19,9 +19,11 @@ import sys
 import time
 from pathlib import Path
 
+from cords_vllm.lab.bench.http import num_gpu_blocks
 from cords_vllm.lab.bench.live import Camera, LiveRun, Question, plot_kv_per_stream, run_cameras
 from cords_vllm.lab.bench.offline import kv_bytes_per_block
 from cords_vllm.lab.serving.process import VLLMServer
+from cords_vllm.lab.vqa import VideoGeometry, make_split, shipped_checkpoint
 
 BLOCK = 32
 #: Chat text of a stream with one question (system prompt, markers, question, answer), rounded up.
@@ -47,7 +49,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def build_cameras(args: argparse.Namespace) -> list[Camera]:
     """One held-out video question per camera; each asks a couple of pushes after its answer went by."""
-    from cords_vllm.lab.vqa import VideoGeometry, make_split
 
     families = ("colour", "order", "count", "static")
     geometry = VideoGeometry(num_frames=args.frames)
@@ -64,7 +65,6 @@ def build_cameras(args: argparse.Namespace) -> list[Camera]:
 
 
 def stream_tokens(args: argparse.Namespace) -> int:
-    from cords_vllm.lab.vqa import VideoGeometry
 
     geometry = VideoGeometry(num_frames=args.frames, size=getattr(args, "size", VideoGeometry().size))
     return geometry.num_video_tokens + 2 * (args.frames // args.push_frames) + TEXT_TOKENS
@@ -101,8 +101,6 @@ def run_demo(args: argparse.Namespace) -> list[LiveRun]:
     """Serve each policy in turn, play the cameras, print answers, KV per stream and a summary; return runs."""
     from tqdm import tqdm
 
-    from cords_vllm.lab.bench.http import num_gpu_blocks
-    from cords_vllm.lab.vqa import shipped_checkpoint
 
     model_dir = shipped_checkpoint()
     cameras = build_cameras(args)

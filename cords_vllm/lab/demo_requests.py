@@ -20,10 +20,13 @@ import sys
 import time
 from pathlib import Path
 
+from cords_vllm.lab.bench.http import run_http
 from cords_vllm.lab.bench.offline import EngineSettings, PolicyResult, prompt_tokens
 from cords_vllm.lab.bench.report import format_table
 from cords_vllm.lab.bench.workload import VideoWorkload, VQAWorkload
 from cords_vllm.lab.serving.process import VLLMServer
+from cords_vllm.lab.synthetic import TinyModelSpec, build_tiny_qwen2vl
+from cords_vllm.lab.vqa import shipped_checkpoint
 
 TABLE = [("label", "policy", "{}"), ("peak_kv_blocks", "peak KV blocks", "{}"),
          ("total_kv_blocks", "pool blocks", "{}"), ("peak_running", "peak running", "{}"),
@@ -56,11 +59,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def build_workload(args: argparse.Namespace) -> tuple[Path, VideoWorkload | VQAWorkload]:
     """The model directory and the requests the demo sends."""
     if args.model == "trained":
-        from cords_vllm.lab.vqa import shipped_checkpoint
 
         return shipped_checkpoint(), VQAWorkload(num_requests=args.requests, frames=args.frames,
                                                  max_tokens=args.max_tokens)
-    from cords_vllm.lab.synthetic import TinyModelSpec, build_tiny_qwen2vl
 
     print("==> building the tiny random Qwen2-VL (cached after the first run)", flush=True)
     return build_tiny_qwen2vl(TinyModelSpec()), VideoWorkload(
@@ -119,7 +120,6 @@ def run_demo(args: argparse.Namespace) -> list[PolicyResult]:
     """Serve, ask and stop for each policy in ``args.policies``; print answers and the table; return results."""
     from tqdm import tqdm
 
-    from cords_vllm.lab.bench.http import run_http
 
     model_dir, workload = build_workload(args)
     budget = args.budget or max(32, workload.video_tokens // 8)

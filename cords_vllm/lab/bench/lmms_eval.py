@@ -27,7 +27,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from cords_vllm.lab.bench.offline import kv_bytes_per_block
+from cords_vllm.lab.synthetic import encode_mp4
 from cords_vllm.lab.vqa import VQAExample, answer_hits
+from cords_vllm.utils import cdiv
 
 #: Name of the generated task (``--tasks``).
 TASK_NAME = "cords_vqa"
@@ -152,8 +155,6 @@ def write_task(examples: Sequence[VQAExample], root: str | os.PathLike, *, name:
     """Write ``examples`` as an lmms-eval task under ``root`` (``videos/*.mp4``, ``NAME.jsonl``,
     ``NAME.yaml``); every path written into the dataset and YAML is absolute. Existing files are replaced.
     """
-    from cords_vllm.lab.synthetic import encode_mp4
-
     root = Path(root).resolve()
     videos = root / "videos"
     videos.mkdir(parents=True, exist_ok=True)
@@ -224,9 +225,6 @@ def server_flags(model_dir: str | os.PathLike, media_dir: str | os.PathLike, *, 
     pool holds ``concurrent`` requests of ``--max-model-len``, which fits ``frames`` frames sent as images.
     ``media_dir``: the directory of the task's videos (absolute), which ``file://`` URLs may name.
     """
-    from cords_vllm.lab.bench.offline import kv_bytes_per_block
-    from cords_vllm.utils import cdiv
-
     frame_tokens = (frame_side // 28) ** 2
     max_len = cdiv(frames * (frame_tokens + 2) + TEXT_TOKENS, 256) * 256  # an image per frame, each with markers
     kv_bytes = (concurrent * cdiv(max_len, block_size) + 1) * kv_bytes_per_block(model_dir, block_size, 4)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cords_vllm.lab.synthetic import make_video, video_tokens
+from cords_vllm.lab.vqa import VideoGeometry, make_split
 from cords_vllm.utils import cdiv
 
 #: The prompt the tiny model was built for (no system text): vision placeholder then the question.
@@ -92,7 +93,6 @@ class VQAWorkload:
 
     @property
     def geometry(self):
-        from cords_vllm.lab.vqa import VideoGeometry
 
         return VideoGeometry(num_frames=self.frames)
 
@@ -101,7 +101,6 @@ class VQAWorkload:
         return self.geometry.num_video_tokens
 
     def requests(self) -> list[BenchRequest]:
-        from cords_vllm.lab.vqa import make_split
 
         per_family = cdiv(self.num_requests, len(self.families))
         examples = make_split(self.families, per_family, "heldout", geometry=self.geometry)[: self.num_requests]
