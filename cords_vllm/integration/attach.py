@@ -39,9 +39,6 @@ class Attached(Generic[T]):
         """The value attached to ``obj``, or ``None``."""
         return self._values.get(id(obj))
 
-    def has(self, obj: Any) -> bool:
-        return id(obj) in self._values
-
     def get_or_create(self, obj: Any, create: Callable[[], T]) -> T:
         """The value attached to ``obj``; ``create()`` attaches it on first use."""
         key = id(obj)

@@ -59,14 +59,13 @@ class RequestEnder:
     def __init__(self, publisher: Publisher, max_model_len: int) -> None:
         self.publisher = publisher
         self.max_model_len = max_model_len
-        #: Requests handed to the error channel, until they leave the scheduler.
-        self.ending: dict[str, str] = {}
+        #: Requests handed to the error channel, until they leave the scheduler (the reason is published).
+        self.ending: set[str] = set()
 
     def end_unservable(self, scheduler: Any, check: ReasonCheck | None = None) -> None:
         """End every waiting request (new ones, and sessions whose next turn arrived) that is past
         ``--max-model-len`` or that ``check`` refuses."""
-        for req_id in [r for r in self.ending if r not in scheduler.requests]:
-            del self.ending[req_id]
+        self.ending.intersection_update(scheduler.requests)
         for request in [*scheduler.waiting, *scheduler.kv_holding_waiting]:
             if request.request_id in self.ending:
                 continue
@@ -76,7 +75,7 @@ class RequestEnder:
 
     def end(self, scheduler: Any, request: Any, reason: str) -> None:
         """End ``request`` (waiting) with an error: out of the queues now, ended with the step's output."""
-        self.ending[request.request_id] = reason
+        self.ending.add(request.request_id)
         scheduler.waiting.remove_requests((request,))
         scheduler.kv_holding_waiting.remove_requests((request,))
         end_with_error(scheduler, request.request_id)

@@ -66,10 +66,6 @@ class SchedulerCompressor:
             tracker = self.trackers[request.request_id] = RequestTracker(request.request_id)
         return tracker
 
-    def candidates(self, request: Any):
-        """The request's candidate spans (cached by its tracker)."""
-        return self.tracker(request).candidates(request, self.facts, self.config)
-
     # ------------------------------------------------------------------------------------------------
     def before_schedule(self, scheduler: Any) -> None:
         """Forget requests that left, compress running prompts over budget (their evicted blocks are freed now)."""
@@ -170,5 +166,4 @@ class SchedulerCompressor:
     def describe(self, request: Any, row: list) -> RequestCompression:
         """What ``request`` holds now (``row``: its row of blocks)."""
         tracker = self.trackers.get(request.request_id) or RequestTracker(request.request_id)
-        candidates = tracker.candidates(request, self.facts, self.config)
-        return tracker.describe(row, request.num_computed_tokens, candidates, self.block_size)
+        return tracker.describe(request, row, self.facts, self.config, self.block_size)

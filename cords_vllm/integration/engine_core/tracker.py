@@ -111,12 +111,13 @@ class RequestTracker:
         """The footprint computed last (``None`` before admission)."""
         return None if self._footprint is None else self._footprint[1]
 
-    def describe(self, row: list, num_computed: int, candidates: CandidateSpans,
+    def describe(self, request: Any, row: list, facts: ModelFacts, config: KVPolicyConfig,
                  block_size: int) -> RequestCompression:
-        """What the request holds now (``row``: its row of blocks)."""
-        state = self.state
+        """What ``request`` holds now (``row``: its row of blocks)."""
+        state, candidates = self.state, self.candidates(request, facts, config)
         return RequestCompression(
             region_blocks=state.region_blocks, held_blocks=non_null_blocks(row, state),
-            held_candidate_tokens=held_candidate_tokens(state, candidates, num_computed, block_size),
+            held_candidate_tokens=held_candidate_tokens(state, candidates, request.num_computed_tokens,
+                                                        block_size),
             candidate_tokens=candidates.total, compressions=state.compressions,
             evicted_tokens=state.evicted_tokens)

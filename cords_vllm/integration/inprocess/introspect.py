@@ -87,9 +87,7 @@ def requests_of(scheduler: Any) -> dict[str, RequestCompression]:
         config, facts = KVPolicyConfig(), model_facts_of(scheduler.vllm_config)
 
         def describe(request: Any, row: list) -> RequestCompression:
-            tracker = RequestTracker(request.request_id)
-            return tracker.describe(row, request.num_computed_tokens, tracker.candidates(request, facts, config),
-                                    manager.block_size)
+            return RequestTracker(request.request_id).describe(request, row, facts, config, manager.block_size)
     return {req_id: describe(request, row) for req_id, row in manager.req_to_blocks.items()
             if (request := scheduler.requests.get(req_id)) is not None}
 
