@@ -52,8 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     for name in args.policies:
         spec = PolicySpec.parse(name, {"budget": args.budget, "max_text_tokens": args.max_text_tokens})
-        # none: vLLM's start-up check ties max-model-len to the pool; a policy: the stream's logical length
-        max_len = pool_tokens if spec.policy == "none" else pushes * clip_tokens + 2 * args.max_text_tokens
+        # none: vLLM's start-up check ties max-model-len to the pool; a policy: what a stream holds plus one push
+        # (it is re-based at every push), here the pool too
+        max_len = pool_tokens
         with tqdm(total=pushes, desc=spec.label, unit="push", file=sys.stderr) as bar:
             def progress(record: PushRecord, bar=bar) -> None:
                 bar.update(1)

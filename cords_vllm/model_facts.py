@@ -35,6 +35,13 @@ class ModelFacts:
     frames_from:
         How frames are found (:data:`FRAMES_FROM_MROPE`), or ``None`` when the model gives no way to find them
         (then only ``token`` and ``block`` granularity apply).
+    spatial_merge_size:
+        Patches merged into one language-model token along each spatial axis (2 for the Qwen-VL families).
+    tokens_per_second:
+        Temporal positions per second of video (Qwen2.5-VL); ``None``: one position per temporal patch.
+    max_positions:
+        The model's rotary range (``max_position_embeddings``): every position must stay below it;
+        ``None``: unknown.
     """
 
     model_type: str = ""
@@ -42,6 +49,15 @@ class ModelFacts:
     vision_markers: frozenset[int] = frozenset()
     temporal_patch_size: int | None = None
     frames_from: str | None = None
+    spatial_merge_size: int = 1
+    tokens_per_second: float | None = None
+    max_positions: int | None = None
+
+    @property
+    def rebases_streams(self) -> bool:
+        """Whether a stream's evicted tokens can leave its request: its positions are explicit (M-RoPE), so the
+        tokens after a removed range keep theirs."""
+        return self.frames_from == FRAMES_FROM_MROPE
 
     @property
     def finds_frames(self) -> bool:
@@ -60,8 +76,15 @@ class ModelFacts:
         placeholders = {m: getattr(hf_config, f"{m}_token_id", None) for m in ("image", "video")}
         vision = getattr(hf_config, "vision_config", None)
         patch = getattr(vision, "temporal_patch_size", None)
+        merge = getattr(vision, "spatial_merge_size", 1)
+        per_second = getattr(vision, "tokens_per_second", None)
+        text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+        max_positions = getattr(text, "max_position_embeddings", None)
         return cls(model_type=str(getattr(hf_config, "model_type", "")),
                    placeholder_token_ids={m: i for m, i in placeholders.items() if isinstance(i, int)},
                    vision_markers=frozenset(i for i in markers if isinstance(i, int)),
                    temporal_patch_size=patch if isinstance(patch, int) else None,
-                   frames_from=FRAMES_FROM_MROPE if uses_mrope else None)
+                   frames_from=FRAMES_FROM_MROPE if uses_mrope else None,
+                   spatial_merge_size=merge if isinstance(merge, int) else 1,
+                   tokens_per_second=float(per_second) if isinstance(per_second, int | float) else None,
+                   max_positions=max_positions if isinstance(max_positions, int) else None)

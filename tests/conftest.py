@@ -34,3 +34,13 @@ def _pure_torch_threads(request) -> Iterator[None]:
 def tiny_model() -> str:
     """Directory of the default tiny Qwen2-VL (built once per machine, then cached)."""
     return str(build_tiny_qwen2vl(TinyModelSpec()))
+
+
+#: The rotary range of :func:`short_range_model`: a stream reaches it in about a hundred 4-frame pushes.
+SHORT_RANGE = 1024
+
+
+@pytest.fixture(scope="session")
+def short_range_model() -> str:
+    """The tiny Qwen2-VL with a rotary range of :data:`SHORT_RANGE` positions (``max_position_embeddings``)."""
+    return str(build_tiny_qwen2vl(TinyModelSpec(max_position_embeddings=SHORT_RANGE)))

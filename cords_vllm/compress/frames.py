@@ -2,41 +2,24 @@
 
 In the Qwen2-VL family every temporal patch of a video (and every image) has its own M-RoPE temporal
 position, so the frames of a request's candidates are the runs of equal temporal positions inside its
-candidate spans (:data:`~cords_vllm.model_facts.FRAMES_FROM_MROPE`).
+candidate spans (:data:`~cords_vllm.model_facts.FRAMES_FROM_MROPE`), and a token's frame label is its temporal
+position. A compression reads the labels of the tokens entering its region only (a held token keeps the label
+it had, see :class:`~cords_vllm.compress.step.HeldTokens`), so what it reads never grows with the stream.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 
-@dataclass(frozen=True)
-class RequestFrames:
-    """A request's frame structure (host integers + device labels).
+def frame_sizes(temporal: torch.Tensor, spans: Sequence[tuple[int, int]]) -> list[int]:
+    """Tokens of the largest frame of each candidate span.
 
-    ``labels``: ``long [L]`` on the cache device, the frame label of every logical token; ``largest``:
-    tokens of the largest frame; ``first_input``: tokens per frame of the first candidate input.
+    ``temporal``: ``long [L]`` (host), the temporal M-RoPE position of each token of the request; ``spans``:
+    ``[start, end)`` ranges within it. A span may begin and end with a one-token marker (vision start / end),
+    so a frame is its largest run of equal positions.
     """
-
-    labels: torch.Tensor
-    largest: int
-    first_input: int
-
-    @property
-    def num_tokens(self) -> int:
-        """Logical tokens the labels cover (a streaming session's grow with every turn)."""
-        return self.labels.shape[0]
-
-
-def frames_from_mrope(mrope_positions: torch.Tensor, spans: Sequence[tuple[int, int]], device: torch.device
-                      ) -> RequestFrames:
-    """:class:`RequestFrames` of a request from its ``[3, L]`` M-RoPE positions (a host tensor) and its
-    candidate ``spans``."""
-    temporal = mrope_positions[0].cpu()
-    sizes = [torch.unique_consecutive(temporal[start:end], return_counts=True)[1] for start, end in spans]
-    labels = temporal.to(device=device, dtype=torch.long, non_blocking=True)
-    # a span may begin and end with a one-token marker (vision start / end): a frame is its largest group
-    return RequestFrames(labels=labels, largest=max(int(s.max()) for s in sizes), first_input=int(sizes[0].max()))
+    return [int(torch.unique_consecutive(temporal[start:end], return_counts=True)[1].max())
+            for start, end in spans if end > start]

@@ -74,6 +74,17 @@ class CandidateSpans:
             n -= end - start
         raise AssertionError("unreachable")
 
+    def held_before(self, floor: int, held: int) -> CandidateSpans:
+        """These spans as a re-based request sees them: the ``held`` candidates its held region ``[0, floor)``
+        keeps (different layers keep different tokens there, so their places are not one list) stand as one
+        span right before ``floor``, and the spans from ``floor`` on are the request's own, clipped at it.
+
+        Every count the planner takes from ``floor`` on is exact, so a re-based request is planned exactly as it
+        would have been before re-basing (:func:`rebase_state`).
+        """
+        tail = tuple((max(start, floor), end) for start, end in self.spans if end > floor)
+        return CandidateSpans((((floor - held, floor),) if held else ()) + tail)
+
 
 
 def region_entries(row: Any, held_blocks: int, prev_region_blocks: int, region_blocks: int) -> list:
@@ -296,6 +307,49 @@ def apply_plan(state: RequestCompressionState, plan: CompressionPlan) -> Request
         compressions=state.compressions + 1,
         evicted_tokens=state.evicted_tokens + plan.num_held_candidates - plan.num_keep_candidates,
     )
+
+
+@dataclass(frozen=True)
+class RebasePlan:
+    """A streaming session's next turn, as every process applies it (host integers).
+
+    When a session's next turn arrives, the evicted part of its compressed region leaves the request: the
+    ``removed_tokens`` entries right after its ``held_tokens`` held ones (the null blocks of its row, the tokens,
+    the positions and the multimodal inputs they stood for), so the request's length, host state and per-turn
+    cost follow what it holds plus the new turn, never what it has pushed. Held tokens keep their original
+    rotary positions (their keys were cached after rotary); the turn's new tokens continue from the session's
+    largest position, ``next_position`` being the first position after the turn's prompt.
+
+    Attributes
+    ----------
+    req_id:
+        Engine-internal request id.
+    held_tokens:
+        Tokens of the held region, kept in place (a multiple of the block size; ``0`` before any compression).
+    removed_tokens:
+        Tokens removed right after them (a multiple of the block size, possibly ``0``).
+    next_position:
+        The first rotary position after the turn's prompt, as the scheduler counts it
+        (:func:`~cords_vllm.compress.positions.next_position`); the workers check that theirs agree.
+    """
+
+    req_id: str
+    held_tokens: int
+    removed_tokens: int
+    next_position: int
+
+
+def rebase_state(state: RequestCompressionState, block_size: int) -> tuple[RequestCompressionState, int, int]:
+    """A compressed request's state once its evicted entries are removed, with ``(held_tokens, removed_tokens)``.
+
+    The region ``[0, j)`` of ``k`` held blocks and ``j - k`` null ones becomes ``[0, k)``: nothing else about
+    the request's compression changes.
+    """
+    held, removed = state.held_blocks * block_size, (state.region_blocks - state.held_blocks) * block_size
+    rebased = RequestCompressionState(region_blocks=state.held_blocks, held_blocks=state.held_blocks,
+                                      held_candidates=state.held_candidates, compressions=state.compressions,
+                                      evicted_tokens=state.evicted_tokens)
+    return rebased, held, removed
 
 
 def compressed_footprint_blocks(num_tokens: int, video_tokens: int, settings: BudgetSettings,

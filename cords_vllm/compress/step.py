@@ -4,10 +4,13 @@ One call carries out one :class:`~cords_vllm.compress.plan.CompressionPlan` on t
 layer, as a function of tensors only (no vLLM object), so any engine adapter, model family or kernel can
 drive it:
 
-1. ``held ++ new_ids``: the logical ids of the region's tokens, per layer and head, in row order (the
-   previously kept tokens, then the tokens that entered the region with this compression).
-2. Anchor layers read those tokens (:class:`~cords_vllm.compress.kv_access.KVAccessor`), mark video tokens
-   as candidates (the rest is protected) and run :func:`~cords_vllm.selection.exact.select_exact`.
+1. ``held ++ new``: the region's tokens per layer and head, in row order (the previously kept tokens, then
+   the tokens that entered the region with this compression), each with what the step needs to know of it:
+   its id, whether it is a candidate (video) and its frame label (:class:`HeldTokens`). The previously kept
+   ones carry theirs from the compression that kept them, so the step never looks at the request's history
+   (a re-based stream has none left).
+2. Anchor layers read those tokens (:class:`~cords_vllm.compress.kv_access.KVAccessor`) and run
+   :func:`~cords_vllm.selection.exact.select_exact` on their candidates (the rest is protected).
 3. Every layer copies the tokens at its anchor's positions into the first ``num_keep / block_size`` source
    blocks, in logical order. A layer's sources are read in full before it is written, so kept blocks may
    overlap sources.
@@ -41,12 +44,13 @@ class RegionBatch:
     dst_slots:
         ``long [num_keep]``: slots the kept tokens are written to (the first source blocks).
     new_ids:
-        ``long [S - n_prev]``: logical ids of the tokens that entered the region with this compression.
+        ``long [N]`` (``N = S - n_prev``): ids of the tokens that entered the region with this compression
+        (their index in the stream, as if nothing had been removed from it).
     spans:
-        ``long [V, 2]``: the request's logical video ``[start, end)`` ranges (candidates).
-    frame_labels:
-        ``long [L]``, frame granularity only: the frame label (M-RoPE temporal position) of every logical
-        token of the request; ``None`` otherwise.
+        ``long [V, 2]``: video ``[start, end)`` ranges (candidates) over the same ids, covering ``new_ids``.
+    new_labels:
+        ``long [N]``, frame granularity only: the frame label (M-RoPE temporal position) of each entering
+        token; ``None`` otherwise.
     num_keep, num_keep_candidates, num_candidates:
         Tokens kept in the region (protected included), video tokens kept, video tokens held.
     group_size:
@@ -62,7 +66,7 @@ class RegionBatch:
     dst_slots: torch.Tensor
     new_ids: torch.Tensor
     spans: torch.Tensor
-    frame_labels: torch.Tensor | None
+    new_labels: torch.Tensor | None
     num_keep: int
     num_keep_candidates: int
     num_candidates: int
@@ -85,28 +89,56 @@ class SelectionSetup:
         return tuple(sorted(set(self.anchor_of)))
 
 
+@dataclass(frozen=True)
+class HeldTokens:
+    """The tokens one layer's region holds, per KV head, in row order, with what selection needs of each.
+
+    ``ids``: ``long [H, n]``, each token's index in the stream (as if nothing had been removed from it);
+    ``candidates``: ``bool [H, n]``, whether it may be evicted (video); ``labels``: ``long [H, n]``, its frame
+    label (frame granularity), or ``None``. All on the KV cache's device.
+    """
+
+    ids: torch.Tensor
+    candidates: torch.Tensor
+    labels: torch.Tensor | None
+
+    def gather(self, index: torch.Tensor) -> HeldTokens:
+        """The tokens at ``index`` (``long [H, m]``) of each head."""
+        return HeldTokens(torch.gather(self.ids, 1, index), torch.gather(self.candidates, 1, index),
+                          None if self.labels is None else torch.gather(self.labels, 1, index))
+
+
 def video_mask(logical_ids: torch.Tensor, spans: torch.Tensor) -> torch.Tensor:
     """``bool``, shape of ``logical_ids``: True where the id lies in one of ``spans`` (``long [V, 2]``)."""
     ids = logical_ids[..., None]
     return ((ids >= spans[:, 0]) & (ids < spans[:, 1])).any(-1)
 
 
-def region_ids(held: torch.Tensor | None, new_ids: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """``long [H, n_prev + n_new]``: the logical ids a layer's region holds, in row order."""
-    new = new_ids.expand(num_heads, -1)
-    return new if held is None else torch.cat([held, new], dim=1)
+def region_tokens(held: HeldTokens | None, batch: RegionBatch, num_heads: int) -> HeldTokens:
+    """The tokens a layer's region holds for this compression: ``held`` (``None`` before the first), then the
+    entering ones."""
+    def expand(x: torch.Tensor) -> torch.Tensor:
+        return x.expand(num_heads, -1)
+
+    new = HeldTokens(expand(batch.new_ids), expand(video_mask(batch.new_ids, batch.spans)),
+                     None if batch.new_labels is None else expand(batch.new_labels))
+    if held is None:
+        return new
+    labels = None if new.labels is None or held.labels is None else torch.cat([held.labels, new.labels], dim=1)
+    return HeldTokens(torch.cat([held.ids, new.ids], dim=1), torch.cat([held.candidates, new.candidates], dim=1),
+                      labels)
 
 
-def select_positions(setup: SelectionSetup, keys: torch.Tensor, values: torch.Tensor, ids: torch.Tensor,
+def select_positions(setup: SelectionSetup, keys: torch.Tensor, values: torch.Tensor, tokens: HeldTokens,
                      batch: RegionBatch, generator: torch.Generator | None = None) -> torch.Tensor:
     """Kept positions into the held tokens of each anchor layer and head.
 
-    ``keys``/``values``: ``[A, H, T, D]`` of the ``A`` anchors; ``ids``: ``long [A, H, T]`` their logical ids.
+    ``keys``/``values``: ``[A, H, T, D]`` of the ``A`` anchors; ``tokens``: theirs, each field ``[A, H, T]``.
     Returns ``long [A, H, num_keep]``, increasing along the last dim.
     """
     a, h, t, d = keys.shape
-    candidates = video_mask(ids, batch.spans)  # [A, H, T]
-    labels = None if batch.frame_labels is None else batch.frame_labels[ids]  # [A, H, T]
+    candidates = tokens.candidates  # [A, H, T]
+    labels = tokens.labels if setup.granularity == "frame" else None  # [A, H, T]
     if setup.per_head:
         k, v, cand = keys.reshape(a * h, 1, t, d), values.reshape(a * h, 1, t, d), candidates.reshape(a * h, t)
         labels = None if labels is None else labels.reshape(a * h, t)
@@ -123,32 +155,36 @@ def select_positions(setup: SelectionSetup, keys: torch.Tensor, values: torch.Te
 
 @torch.inference_mode()
 def compress_region(caches: Sequence[torch.Tensor], accessors: Sequence[KVAccessor],
-                    held: Sequence[torch.Tensor | None], batch: RegionBatch, setup: SelectionSetup,
-                    generator: torch.Generator | None = None) -> list[torch.Tensor]:
-    """Compact one request's region in every layer; returns each layer's new held ids.
+                    held: Sequence[HeldTokens | None], batch: RegionBatch, setup: SelectionSetup,
+                    generator: torch.Generator | None = None) -> list[HeldTokens]:
+    """Compact one request's region in every layer; returns the tokens each layer now holds there.
 
     Parameters
     ----------
     caches, accessors:
         One KV cache tensor and its accessor per layer (all on one device).
     held:
-        Per layer, ``long [H, n_prev]`` logical ids the region held after the previous compression (on the
-        caches' device), or ``None`` before the first one.
+        Per layer, the :class:`HeldTokens` (``n_prev`` per head) the region held after the previous
+        compression, or ``None`` before the first one.
     batch, setup:
         This compression (:class:`RegionBatch`) and the model's selection setup.
 
     Returns
     -------
-    list[torch.Tensor]
-        Per layer, ``long [H, num_keep]``: the logical ids now held in the region, in row order.
+    list[HeldTokens]
+        Per layer, ``num_keep`` per head: the tokens now held in the region, in row order.
     """
     heads = accessors[0].num_kv_heads
-    ids = [region_ids(h, batch.new_ids, heads) for h in held]
+    tokens = [region_tokens(h, batch, heads) for h in held]
     anchors = setup.anchors
     read = {a: accessors[a].read(caches[a], batch.src_slots) for a in anchors}  # [T, H, D] each
     keys = torch.stack([read[a][0].transpose(0, 1) for a in anchors])
     values = torch.stack([read[a][1].transpose(0, 1) for a in anchors])
-    positions = select_positions(setup, keys, values, torch.stack([ids[a] for a in anchors]), batch, generator)
+    anchor_tokens = [tokens[a] for a in anchors]
+    stacked = HeldTokens(torch.stack([t.ids for t in anchor_tokens]),
+                         torch.stack([t.candidates for t in anchor_tokens]),
+                         None if batch.new_labels is None else torch.stack([t.labels for t in anchor_tokens]))
+    positions = select_positions(setup, keys, values, stacked, batch, generator)
     row_of = {a: i for i, a in enumerate(anchors)}
     head_index = torch.arange(heads, device=positions.device)[None, :]
     new_held = []
@@ -156,5 +192,5 @@ def compress_region(caches: Sequence[torch.Tensor], accessors: Sequence[KVAccess
         pos = positions[row_of[setup.anchor_of[layer]]]  # [H, num_keep]
         k, v = read[layer] if layer in read else accessor.read(caches[layer], batch.src_slots)
         accessor.write(caches[layer], batch.dst_slots, k[pos.T, head_index], v[pos.T, head_index])
-        new_held.append(torch.gather(ids[layer], 1, pos))
+        new_held.append(tokens[layer].gather(pos))
     return new_held

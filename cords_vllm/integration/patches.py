@@ -11,6 +11,7 @@ none``. The same engine changes, as upstream would make them, are the patch seri
 
 from __future__ import annotations
 
+from cords_vllm.integration.api_server.outputs import make_apply_streaming_update
 from cords_vllm.integration.api_server.streams.plugin import make_attach_endpoint_plugins
 from cords_vllm.integration.engine_core import hooks as core
 from cords_vllm.integration.patching import Call, Drains, EngineSignatureError, Entry, Field, Patch, installed
@@ -57,6 +58,14 @@ ENGINE_CORE: tuple[Entry, ...] = (
           why="admission reserves a request's whole prompt; cap it at the compressed footprint and keep free "
               "the blocks admitted compressed requests will still grow into",
           upstream="patches/0002-kv-cache-manager-admission-policy.patch"),
+    Patch(f"{_SCHEDULER}._update_request_as_session", ("self", "session", "update"),
+          core.make_update_request_as_session,
+          why="a session's request keeps every token it was ever sent: at its next turn, take the evicted part of "
+              "its region out (tokens, row, inputs), count the turn's rotary positions and tell the workers"),
+    Patch(f"{_SCHEDULER}._preempt_request", ("self", "request", "timestamp"), core.make_preempt_request,
+          keywords=("drop_stale_output",),
+          why="preemption recomputes a request from its own tokens, which a re-based stream no longer has: end "
+              "such a stream alone, with its reason, instead"),
     Field(f"vllm.v1.core.sched.output:SchedulerOutput.{PLANS_FIELD}", None,
           why="no channel from the scheduler to the workers for a policy's per-step data: the plans ride here",
           upstream="patches/0001-scheduler-kv-compactor-hook.patch"),
@@ -76,6 +85,11 @@ WORKER: tuple[Entry, ...] = (
           why="the KV connector's worker hook runs before new block ids are appended and cannot edit rows: "
               "carry out the plans after the step's block ids are applied and before the forward",
           upstream="patches/0003-model-runner-kv-compactor-hook.patch"),
+    Patch("vllm.v1.worker.gpu_model_runner:GPUModelRunner._init_mrope_positions", ("self", "req_state"),
+          worker.make_init_mrope_positions,
+          why="vLLM recomputes a session's M-RoPE positions for its whole prompt at every turn, from token indices: "
+              "a re-based session's tokens no longer sit at their original indices. Keep the held and recent "
+              "tokens' positions, and compute only the new turn's, from the session's next position"),
     Patch("vllm.v1.worker.utils:AttentionGroup.build_metadata",
           ("self", "common_attn_metadata", "ubatch_idx", "common_prefix_len"), worker.make_build_metadata,
           why="attention kernels have no notion of holes in a row: show them compressed rows compacted",
@@ -100,6 +114,10 @@ API_SERVER: tuple[Entry, ...] = (
          why="decode a pushed frame the way vLLM decodes an image_url part"),
     Call("vllm.multimodal.media.video:VideoMediaIO.load_bytes", ("self", "data"),
          why="decode a pushed clip the way vLLM decodes a video_url part"),
+    Patch("vllm.v1.engine.output_processor:RequestState.apply_streaming_update", ("self", "update"),
+          make_apply_streaming_update,
+          why="the output processor appends every turn's prompt to a resumable request's prompt_token_ids, for "
+              "as long as the stream lives: keep the current turn's only"),
 )
 
 #: In-process engines (tests, benchmarks, the demo): driving a resumable request turn by turn.

@@ -72,3 +72,40 @@ def test_compacting_a_row_touches_only_what_changes_and_leaves_kept_then_nulls(s
         held_before = [b for b in before[:j] if b != 0]
         assert row[:k] == held_before[:k] and row[k:j] == [0] * (j - k) and row[j:] == before[j:]
         state, computed = apply_plan(state, plan), point
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_a_request_rebased_after_every_compression_is_planned_as_the_logical_one(seed):
+    """Re-basing removes a compressed region's null entries and shifts everything after them; with the held
+    region's candidates as a count (``CandidateSpans.held_before``), every later point and plan is the logical
+    request's, moved by the tokens removed so far."""
+    from cords_vllm.compress.plan import rebase_state
+
+    rng = random.Random(1000 + seed)
+    video, num_prompt = _layout(rng)
+    budget = rng.randrange(8, 80)
+    settings = BudgetSettings(budget=budget, recent=rng.randrange(0, budget), slack=rng.randrange(0, 20))
+    logical, computed = RequestCompressionState(), 0
+    rebased, removed, spans = RequestCompressionState(), 0, video
+    compressions = 0
+    while True:
+        point = next_compression_point(logical, video, computed, num_prompt, settings, BS)
+        moved = next_compression_point(rebased, spans, computed - removed, num_prompt - removed, settings, BS)
+        assert moved == (None if point is None else point - removed)
+        if point is None:
+            break
+        plan = plan_compression("r", _row(point, logical), point, num_prompt, video, logical, settings, BS)
+        other = plan_compression("r", _row(point - removed, rebased), point - removed, num_prompt - removed, spans,
+                                 rebased, settings, BS)
+        assert (plan.num_keep, plan.num_keep_candidates, plan.num_held_candidates, plan.region_blocks - removed // BS) \
+            == (other.num_keep, other.num_keep_candidates, other.num_held_candidates, other.region_blocks)
+        logical, rebased, computed = apply_plan(logical, plan), apply_plan(rebased, other), point
+        compressions += 1
+        if rng.random() < 0.7:  # a turn boundary: re-base
+            rebased, held, gone = rebase_state(rebased, BS)
+            removed += gone
+            shifted = CandidateSpans(tuple((max(a - removed, held), b - removed) for a, b in video.spans
+                                           if b - removed > held))
+            spans = shifted.held_before(held, rebased.held_candidates)
+            assert spans.count_before(held) == rebased.held_candidates
+    assert compressions == logical.compressions

@@ -36,7 +36,7 @@ def _batch(blocks, labels, spans, num_candidates, keep_blocks, granularity) -> R
     return RegionBatch(
         src_slots=slots_of(blocks, BS), dst_slots=slots_of(blocks[:keep_blocks], BS),
         new_ids=torch.arange(blocks.numel() * BS, device=blocks.device), spans=spans,
-        frame_labels=labels if granularity == "frame" else None, num_keep=num_keep,
+        new_labels=labels[: blocks.numel() * BS] if granularity == "frame" else None, num_keep=num_keep,
         num_keep_candidates=num_keep - TEXT, num_candidates=num_candidates,
         group_size={"frame": FRAME, "block": BS}.get(granularity), frame_budget=None, frame_tokens=FRAME)
 
@@ -54,11 +54,14 @@ def test_kept_tokens_are_the_anchor_selection_copied_in_logical_order(anchors, g
     batch = _batch(blocks, labels, spans, n_cand, 5, granularity)
     held = compress_region(caches, [accessor] * LAYERS, [None] * LAYERS, batch, setup)
     for layer in range(LAYERS):
-        ids = held[layer]  # [H, num_keep] logical ids, increasing, protected text kept
+        ids = held[layer].ids  # [H, num_keep] logical ids, increasing, protected text kept
+        assert torch.equal(held[layer].candidates, video_mask(ids, spans))  # each keeps what it is
+        if granularity == "frame":
+            assert torch.equal(held[layer].labels, labels[ids])
         assert ids.shape == (HEADS, batch.num_keep)
         assert bool((ids[:, 1:] > ids[:, :-1]).all()) and ids[:, :TEXT].tolist() == [list(range(TEXT))] * HEADS
         assert int((~video_mask(ids, spans)).sum(-1).max()) == TEXT  # only video tokens were evicted
-        assert torch.equal(ids, held[anchor_of[layer]])  # followers keep their anchor's tokens
+        assert torch.equal(ids, held[anchor_of[layer]].ids)  # followers keep their anchor's tokens
         if not per_head:
             assert torch.equal(ids[0], ids[1])
         # the kept tokens now sit in the first blocks, read straight from the pre-compression cache
@@ -80,12 +83,16 @@ def test_a_second_compression_continues_from_the_held_ids():
     # next: the 4 kept blocks, then blocks 10.. of the row (logical tokens 80 ..)
     src = torch.cat([blocks[:4], blocks[10:region]])
     second = RegionBatch(src_slots=slots_of(src, BS), dst_slots=slots_of(src[:5], BS),
-                         new_ids=torch.arange(10 * BS, region * BS), spans=spans, frame_labels=labels,
+                         new_ids=torch.arange(10 * BS, region * BS), spans=spans,
+                         new_labels=labels[10 * BS: region * BS],
                          num_keep=5 * BS, num_keep_candidates=5 * BS - TEXT,
                          num_candidates=4 * BS - TEXT + (region - 10) * BS, group_size=FRAME)
     again = compress_region(caches, [accessor] * LAYERS, held, second, setup)
-    assert again[0].shape == (HEADS, 5 * BS)
-    assert set(again[0][0].tolist()) <= set(held[0][0].tolist()) | set(range(10 * BS, region * BS))
+    assert again[0].ids.shape == (HEADS, 5 * BS)
+    assert set(again[0].ids[0].tolist()) <= set(held[0].ids[0].tolist()) | set(range(10 * BS, region * BS))
+    # held tokens carry their attributes: the second compression never looks at the first one's inputs
+    assert torch.equal(again[0].labels, labels[again[0].ids]) and torch.equal(again[0].candidates,
+                                                                              video_mask(again[0].ids, spans))
 
 
 @pytest.mark.parametrize("policy", available_selectors())
@@ -124,4 +131,4 @@ def test_the_step_glue_runs_on_the_meta_device():
     setup = SelectionSetup(_DeviceOnlyNewest(), "token", False, (0, 0, 2, 2))
     batch = _batch(blocks, labels, spans, n_cand, 5, "token")
     held = compress_region(caches, [PagedAccessor.of(caches[0], D)] * LAYERS, [None] * LAYERS, batch, setup)
-    assert all(h.device.type == "meta" and h.shape == (HEADS, 5 * BS) for h in held)
+    assert all(h.ids.device.type == "meta" and h.ids.shape == (HEADS, 5 * BS) for h in held)

@@ -32,14 +32,15 @@ def test_compress_region_on_cuda_equals_cpu(policy, granularity):
         batch = RegionBatch(
             src_slots=slots_of(blocks, bs), dst_slots=slots_of(blocks[:6], bs),
             new_ids=torch.arange(region * bs, device=device),
-            spans=torch.tensor([[text, text + frames * frame]], device=device), frame_labels=labels.to(device),
+            spans=torch.tensor([[text, text + frames * frame]], device=device),
+            new_labels=labels[: region * bs].to(device),
             num_keep=6 * bs, num_keep_candidates=6 * bs - text, num_candidates=region * bs - text,
             group_size={"frame": frame, "block": bs}.get(granularity), frame_budget=8, frame_tokens=frame)
         setup = SelectionSetup(get_selector(policy), granularity, False, (0, 0, 2))
         on = [c.to(device) for c in caches]
         held = compress_region(on, [PagedAccessor.of(on[0], d)] * layers, [None] * layers, batch, setup,
                                generator=torch.Generator(device=device).manual_seed(0))
-        results.append(([h.cpu() for h in held], [c.cpu() for c in on]))
+        results.append(([h.ids.cpu() for h in held], [c.cpu() for c in on]))
     if get_selector(policy).stochastic:
         return  # a CUDA generator draws other numbers; running without a device error is the check
     for a, b in zip(results[0][0], results[1][0], strict=True):

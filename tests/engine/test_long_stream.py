@@ -21,8 +21,8 @@ BUDGET, SLACK, MAX_TEXT = 192, 64, 128
 CLIP = "<|vision_start|><|video_pad|><|vision_end|>"
 
 
-def _llm(model, max_model_len: int, **config):
-    pool_bytes = (POOL + 1) * kv_bytes_per_block(model, BLOCK, 4)  # + the null block
+def _llm(model, max_model_len: int, pool: int = POOL, **config):
+    pool_bytes = (pool + 1) * kv_bytes_per_block(model, BLOCK, 4)  # + the null block
     return make_llm(model, block_size=BLOCK, max_model_len=max_model_len, max_num_batched_tokens=max_model_len,
                     max_num_scheduled_tokens=512, kv_cache_memory_bytes=pool_bytes,
                     **kv_policy_args("cords", budget=BUDGET, slack=SLACK, **config))
@@ -52,7 +52,8 @@ def test_by_default_the_pool_must_hold_the_footprint_of_8192_text_tokens_not_max
 
 def test_a_stream_runs_to_twenty_pools_with_flat_blocks(tiny_model):
     pushes = 20 * POOL * BLOCK // 128 + 1  # 128 video tokens a push
-    llm = _llm(tiny_model, max_model_len=(pushes + 8) * 128, max_text_tokens=MAX_TEXT)
+    # --max-model-len need not cover what the stream pushes: a re-based stream's length is what it holds
+    llm = _llm(tiny_model, max_model_len=1024, max_text_tokens=MAX_TEXT)
     free = snapshot(llm).free_blocks
     assert free == POOL  # the pool really is smaller than the stream by 20x
     bound = stream_footprint_blocks(MAX_TEXT, BudgetSettings(BUDGET, BUDGET // 4, SLACK), BLOCK)
@@ -62,7 +63,7 @@ def test_a_stream_runs_to_twenty_pools_with_flat_blocks(tiny_model):
         session.push({"prompt": ("<|im_start|>user\n" if i == 0 else "") + CLIP,
                       "multi_modal_data": {"video": video(4, seed=i % 7)}})
         held.append(snapshot(llm).requests[session.request_id])
-    assert held[-1].candidate_tokens >= 20 * POOL * BLOCK
+    assert held[-1].candidate_tokens + held[-1].evicted_tokens >= 20 * POOL * BLOCK
     assert max(h.held_blocks for h in held) <= bound <= POOL
     assert held[-1].held_blocks == held[len(held) // 2].held_blocks  # flat: the same at half and full length
     answer = session.push({"prompt": "What color was the square?<|im_end|>\n<|im_start|>assistant\n"})
@@ -91,14 +92,16 @@ def test_a_request_with_more_text_than_max_text_tokens_ends_with_an_error(tiny_m
 def test_a_session_past_max_model_len_ends_alone_and_the_engine_serves_on(tiny_model, policy):
     """vLLM checks a request's length only when it arrives; a session grows with every turn. The turn that takes
     it to --max-model-len ends it with an error (its reason published by its external id) before any step
-    schedules it: the engine, and every other session, serve on."""
+    schedules it: the engine, and every other session, serve on. Under a policy a stream's length is what it
+    holds plus the turn, so it gets there with text it can never evict (the policy's max_text_tokens is set
+    above max-model-len here); without one, with every token it pushed."""
     from cords_vllm.integration.engine_core.hooks import scheduler_hooks
     from cords_vllm.integration.inprocess.introspect import scheduler_of
     from cords_vllm.integration.inprocess.session import SessionClosed
 
     max_len = 1024
     if policy == "cords":
-        llm = _llm(tiny_model, max_model_len=max_len, max_text_tokens=MAX_TEXT)
+        llm = _llm(tiny_model, max_model_len=max_len, pool=2 * POOL, max_text_tokens=max_len)
     else:
         # room for both sessions at full length: without a policy, a pool full of sessions stalls them all
         pool_bytes = (2 * max_len // BLOCK + 1) * kv_bytes_per_block(tiny_model, BLOCK, 4)
@@ -108,11 +111,16 @@ def test_a_session_past_max_model_len_ends_alone_and_the_engine_serves_on(tiny_m
     other.push({"prompt": "<|im_start|>user\n" + CLIP, "multi_modal_data": {"video": video(4, seed=1)}})
     other_tokens = snapshot(llm).requests[other.request_id].candidate_tokens
     session = EngineSession(llm, "camera")
+    text = "<|im_start|>user\n" + "describe the scene " * 20  # text a policy never evicts
+    per_push = 130 if policy == "none" else len(llm.get_tokenizer().encode(text))
     with pytest.raises(SessionClosed, match="ended session camera"):
-        for i in range(max_len // 128 + 2):  # 130 tokens a push
-            session.push({"prompt": ("<|im_start|>user\n" if i == 0 else "") + CLIP,
-                          "multi_modal_data": {"video": video(4, seed=i % 7)}})
-    assert i == max_len // 130  # the first push past the limit, not an earlier one
+        for i in range(max_len // per_push + 2):
+            if policy == "none":
+                session.push({"prompt": ("<|im_start|>user\n" if i == 0 else "") + CLIP,
+                              "multi_modal_data": {"video": video(4, seed=i % 7)}})
+            else:
+                session.push({"prompt": text})
+    assert i == -(-max_len // per_push) - 1  # the first push that reaches it, not an earlier one
     publisher = scheduler_hooks(scheduler_of(llm)).publisher
     assert "--max-model-len is 1024" in publisher.ended["camera"]
     assert session.request_id not in snapshot(llm).requests
@@ -132,3 +140,125 @@ def test_only_a_session_is_ended_for_its_length_and_only_when_no_token_fits():
     assert length_reason(SimpleNamespace(resumable=True, num_tokens=1023), 1024) is None
     assert "--max-model-len is 1024" in length_reason(SimpleNamespace(resumable=True, num_tokens=1024), 1024)
     assert length_reason(SimpleNamespace(resumable=False, num_tokens=5000), 1024) is None  # vLLM checked it
+
+
+def test_a_streams_host_state_stays_bounded_by_what_it_holds_across_50_pushes(tiny_model):
+    """Re-based at every turn: the request's token lists, row, inputs and the worker's positions follow what the
+    stream holds plus one clip, never what it pushed (50 pushes: 6,500 tokens, past --max-model-len)."""
+    from cords_vllm.integration.inprocess.introspect import host_lengths
+
+    llm = _llm(tiny_model, max_model_len=1024, max_text_tokens=MAX_TEXT)
+    session = EngineSession(llm, "camera")
+    lengths = []
+    for i in range(50):
+        session.push({"prompt": ("<|im_start|>user\n" if i == 0 else "") + CLIP,
+                      "multi_modal_data": {"video": video(4, seed=i % 7)}})
+        lengths.append(host_lengths(llm, session.request_id))
+    bound = stream_footprint_blocks(MAX_TEXT, BudgetSettings(BUDGET, BUDGET // 4, SLACK), BLOCK) * BLOCK + 130
+    for n in lengths:
+        assert n.worker_tokens == n.worker_positions == n.prompt  # the worker's copy is the scheduler's
+        assert max(n.tokens, n.prompt, n.num_computed, n.worker_tokens) <= bound + 1
+        assert n.row == n.worker_row <= -(-bound // BLOCK)
+        assert n.inputs == n.worker_inputs <= (BUDGET + SLACK) // 128 + 3
+    late, early = lengths[25:], lengths[5:25]
+    assert max(n.tokens for n in late) <= max(n.tokens for n in early)  # flat, not growing with the pushes
+    answer = session.push({"prompt": "What color was the square?<|im_end|>\n<|im_start|>assistant\n"})
+    assert len(answer) == 1
+    session.close()
+    del llm
+    gc.collect()
+
+
+def _next_position(llm, req_id):
+    from cords_vllm.integration.engine_core.hooks import scheduler_hooks
+    from cords_vllm.integration.inprocess.introspect import scheduler_of
+
+    return scheduler_hooks(scheduler_of(llm)).compressor.trackers[req_id].next_position
+
+
+def test_a_stream_passes_its_rotary_range_in_tokens_answers_and_ends_at_its_position_range(short_range_model):
+    """A 4-frame clip is 130 tokens but 10 positions: a stream passes max_position_embeddings (1024) in tokens
+    and keeps answering; the turn whose positions would pass the range ends it alone, with the reason."""
+    from cords_vllm.integration.engine_core.hooks import scheduler_hooks
+    from cords_vllm.integration.inprocess.introspect import scheduler_of
+    from cords_vllm.integration.inprocess.session import SessionClosed
+    from tests.conftest import SHORT_RANGE
+
+    llm = _llm(short_range_model, max_model_len=512, max_text_tokens=MAX_TEXT)
+    free = snapshot(llm).free_blocks
+    other = EngineSession(llm, "other")
+    other.push({"prompt": "<|im_start|>user\n" + CLIP, "multi_modal_data": {"video": video(4, seed=1)}})
+    session = EngineSession(llm, "camera")
+    question = {"prompt": "What color was the square?<|im_end|>\n<|im_start|>assistant\n"}
+    positions = []
+    with pytest.raises(SessionClosed, match="ended session camera"):
+        for i in range(200):
+            session.push({"prompt": ("<|im_start|>user\n" if i == 0 else "<|im_end|>\n<|im_start|>user\n"
+                                     if i == 21 else "") + CLIP, "multi_modal_data": {"video": video(4, seed=i % 7)}})
+            positions.append(_next_position(llm, session.request_id))
+            if i == 20:  # 2,700 tokens pushed: past the rotary range in tokens, a fraction of it in positions
+                assert 130 * (i + 1) > SHORT_RANGE and positions[-1] < SHORT_RANGE // 3
+                assert len(session.push(question, max_tokens=4)) == 4
+    assert positions[-1] <= SHORT_RANGE < positions[-1] + 10  # the first push that would pass, not earlier
+    reason = scheduler_hooks(scheduler_of(llm)).publisher.ended["camera"]
+    assert "rotary positions" in reason and "max_position_embeddings" in reason
+    assert len(other.push(question, max_tokens=2)) == 2  # the engine, and the other stream, serve on
+    other.close()
+    assert snapshot(llm).free_blocks == free
+    del llm
+    gc.collect()
+
+
+def test_streams_filling_the_pool_to_their_footprints_are_never_preempted(tiny_model):
+    """A re-based stream can no longer be recomputed from its own tokens, so it must never be preempted:
+    admission by footprint guarantees it. Four streams whose footprints fill the pool exactly push clips turn
+    by turn, all at once; none is ever preempted, and each answers."""
+    from cords_vllm.integration.inprocess.introspect import scheduler_of
+    from cords_vllm.integration.inprocess.session import run_turns
+
+    settings = BudgetSettings(BUDGET, BUDGET // 4, SLACK)
+    footprint = stream_footprint_blocks(MAX_TEXT, settings, BLOCK)
+    llm = _llm(tiny_model, max_model_len=1024, pool=4 * footprint, max_text_tokens=MAX_TEXT)
+    scheduler = scheduler_of(llm)
+    sessions = [EngineSession(llm, f"camera-{i}") for i in range(4)]
+    for push in range(12):
+        run_turns(llm.llm_engine, [(s, {"prompt": ("<|im_start|>user\n" if push == 0 else "") + CLIP,
+                                        "multi_modal_data": {"video": video(4, seed=(push + i) % 7)}})
+                                   for i, s in enumerate(sessions)])
+        assert all(scheduler.requests[s.request_id].num_preemptions == 0 for s in sessions)
+    assert all(snapshot(llm).requests[s.request_id].evicted_tokens > 0 for s in sessions)  # re-based
+    for session in sessions:
+        assert len(session.push({"prompt": "What color was the square?<|im_end|>\n<|im_start|>assistant\n"})) == 1
+        session.close()
+    del llm
+    gc.collect()
+
+
+def test_a_rebased_stream_the_scheduler_must_preempt_ends_alone_with_its_reason(tiny_model):
+    """Should the pool still run out (it cannot through admission), preempting a re-based stream would recompute
+    it from tokens it no longer has: it is ended, with its reason, instead."""
+    from cords_vllm.integration.engine_core.hooks import scheduler_hooks
+    from cords_vllm.integration.inprocess.introspect import scheduler_of
+    from cords_vllm.integration.inprocess.session import SessionClosed
+
+    llm = _llm(tiny_model, max_model_len=1024, max_text_tokens=MAX_TEXT)
+    free = snapshot(llm).free_blocks
+    scheduler = scheduler_of(llm)
+    session = EngineSession(llm, "camera")
+    for i in range(6):
+        session.push({"prompt": ("<|im_start|>user\n" if i == 0 else "") + CLIP,
+                      "multi_modal_data": {"video": video(4, seed=i)}})
+    assert snapshot(llm).requests[session.request_id].evicted_tokens > 0
+    session.start_turn({"prompt": CLIP, "multi_modal_data": {"video": video(4, seed=9)}})
+    session.step()
+    request = scheduler.requests[session.request_id]
+    scheduler.running.remove(request)  # what vLLM's schedule() does to a victim, before _preempt_request
+    scheduler._preempt_request(request, 0.0)
+    scheduler.waiting.prepend_request(request)
+    with pytest.raises(SessionClosed):
+        session.finish_turn()
+    assert "cannot be recomputed" in scheduler_hooks(scheduler).publisher.ended["camera"]
+    llm.llm_engine.step()
+    assert snapshot(llm).free_blocks == free
+    del llm
+    gc.collect()

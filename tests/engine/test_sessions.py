@@ -71,7 +71,9 @@ def test_a_session_is_compressed_across_turns_and_stays_bounded(session_run):
     assert len(held) == PUSHES + len(QUESTION_AFTER)
     assert held[-1].compressions >= 5  # compressed as the video arrives, across turns
     video_tokens = PUSHES * (CLIP_FRAMES * 32 + 2)  # each clip's tokens and its two vision markers
-    assert held[-1].candidate_tokens == video_tokens
+    # re-based at every turn: what it evicted left the request, what it holds plus that is what it was sent
+    assert held[-1].candidate_tokens + held[-1].evicted_tokens == video_tokens
+    assert held[-1].candidate_tokens <= BUDGET + SLACK + 2 * BLOCK
     settings = BudgetSettings(BUDGET, BUDGET // 4, SLACK)
     for state in held:  # after every turn, waiting for the next one
         assert state.held_candidate_tokens <= BUDGET + SLACK + 2 * BLOCK

@@ -1,9 +1,14 @@
-"""A stream that reaches --max-model-len ends alone, with a 410 naming the limit; the engine and every other
-stream keep serving (real ``vllm serve`` over HTTP, under a KV policy and under ``none``).
+"""Every limit a stream can reach ends that stream alone, with a 410 naming it, while the engine and every other
+stream keep serving (real ``vllm serve`` over HTTP).
 
-vLLM 0.32 checks a request's length only when it arrives, and a streaming session grows with every turn: before
-the engine ended such a session itself, the worker failed copying it into its persistent batch and the engine
-core died, taking every stream with it.
+* Without a policy a stream's length is every token it pushed: it ends at --max-model-len. vLLM 0.32 checks a
+  request's length only when it arrives, and a streaming session grows with every turn: before the engine ended
+  such a session itself, the worker failed copying it into its persistent batch and the engine core died,
+  taking every stream with it.
+* Under a policy a stream is re-based at every push, so its length is what it holds plus the push: it runs past
+  --max-model-len (and past the model's rotary range) in tokens, and ends when its rotary positions would pass
+  the model's range (``max_position_embeddings``), on a tiny model whose range is 1,024 positions.
+* Its text is refused before the engine (409, the stream unchanged): ``test_text_budget.py``.
 """
 
 from __future__ import annotations
@@ -23,12 +28,11 @@ from cords_vllm.lab.vqa import shipped_checkpoint
 pytestmark = pytest.mark.server
 
 MAX_MODEL_LEN, BLOCK = 1024, 32
+CORDS_CONFIG = json.dumps({"budget": 128, "recent": 32, "slack": 32, "max_text_tokens": 256})
 COMMON = ["--dtype", "float32", "--enforce-eager", "--block-size", str(BLOCK), "--max-model-len", str(MAX_MODEL_LEN),
           "--limit-mm-per-prompt", '{"image": 0, "video": 1}', "--kv-stream-max-open", "4"]
 POLICIES = {
-    "cords": ["--kv-policy", "cords", "--kv-policy-config",
-              json.dumps({"budget": 128, "recent": 32, "slack": 32, "max_text_tokens": 256}),
-              "--kv-cache-memory-bytes", str(24 << 20)],
+    "cords": ["--kv-policy", "cords", "--kv-policy-config", CORDS_CONFIG, "--kv-cache-memory-bytes", str(24 << 20)],
     "none": ["--kv-policy", "none", "--kv-cache-memory-bytes", str(24 << 20)],
 }
 
@@ -36,6 +40,16 @@ POLICIES = {
 @pytest.fixture(scope="module", params=sorted(POLICIES))
 def server(request):
     with VLLMServer(shipped_checkpoint(), [*POLICIES[request.param], *COMMON]) as srv:
+        srv.policy = request.param
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def short_range_server(short_range_model):
+    args = ["--kv-policy", "cords", "--kv-policy-config", CORDS_CONFIG, "--kv-cache-memory-bytes", str(24 << 20),
+            *COMMON[:COMMON.index("--max-model-len")], "--max-model-len", "512",
+            *COMMON[COMMON.index("--max-model-len") + 2:]]
+    with VLLMServer(short_range_model, args) as srv:
         yield srv
 
 
@@ -43,26 +57,28 @@ def clip(seed: int) -> np.ndarray:
     return make_video(8, 112, 112, seed=seed).frames
 
 
-def test_a_stream_past_max_model_len_ends_alone_and_the_others_keep_serving(server):
-    client = StreamClient(server.base_url, timeout=120)
-    other = client.open()
-    other.append(clip(seed=100))
-    with client.open() as stream:
-        for push in range(MAX_MODEL_LEN // 64 + 2):  # about 66 tokens a clip: past the limit well before the end
-            try:
-                stream.append(clip(seed=push))
-            except StreamAPIError as err:
-                assert err.status == 410, err
-                assert "--max-model-len" in err.message and str(MAX_MODEL_LEN) in err.message, err.message
-                break
-        else:
-            pytest.fail("the stream never reached --max-model-len")
-        info = stream.refresh()
-        assert info["status"] == "ended" and "--max-model-len" in info["ended_reason"]
-        with pytest.raises(StreamAPIError) as err:
-            stream.ask("What color was the square?")
-        assert err.value.status == 410
-    # the engine lives: the other stream pushes and answers, a new stream opens and answers
+def _push_until_ended(stream, pushes: int, frames: np.ndarray | None = None) -> StreamAPIError | None:
+    for push in range(pushes):
+        try:
+            stream.append(clip(seed=push) if frames is None else frames)
+        except StreamAPIError as err:
+            return err
+    return None
+
+
+def _expect_ended(stream, err: StreamAPIError | None, *words: str) -> None:
+    assert err is not None, "the stream never reached its limit"
+    assert err.status == 410 and all(w in err.message for w in words), err
+    info = stream.refresh()
+    assert info["status"] == "ended" and all(w in info["ended_reason"] for w in words)
+    with pytest.raises(StreamAPIError) as again:
+        stream.ask("What color was the square?")
+    assert again.value.status == 410
+
+
+def _others_keep_serving(client: StreamClient, other, server) -> None:
+    """The engine lives: the other stream pushes and answers, a new stream opens and answers; every block
+    returns once they close."""
     other.append(clip(seed=101))
     answer = client.request("POST", f"/v1/streams/{other.id}/ask", {"question": "Which color?", "max_tokens": 2})
     assert answer["usage"]["completion_tokens"] == 2
@@ -75,3 +91,36 @@ def test_a_stream_past_max_model_len_ends_alone_and_the_others_keep_serving(serv
     while scrape(server.base_url).get("vllm:kv_cache_usage_perc", 1.0) != 0.0:
         assert time.monotonic() < deadline, "blocks were not returned to the pool"
         time.sleep(0.2)
+
+
+def test_a_stream_ends_alone_at_its_limit_and_the_others_keep_serving(server):
+    """none: at --max-model-len tokens. cords: the stream passes --max-model-len in tokens and answers (its
+    length is what it holds), and a single push longer than --max-model-len ends it alone."""
+    client = StreamClient(server.base_url, timeout=120)
+    other = client.open()
+    other.append(clip(seed=100))
+    with client.open() as stream:
+        if server.policy == "none":  # about 66 tokens a clip: past the limit well before the end
+            _expect_ended(stream, _push_until_ended(stream, MAX_MODEL_LEN // 64 + 2), "--max-model-len",
+                          str(MAX_MODEL_LEN))
+        else:
+            assert _push_until_ended(stream, 2 * MAX_MODEL_LEN // 64) is None  # 2x --max-model-len in tokens
+            assert isinstance(stream.ask("What color was the square?", max_tokens=2), str)
+            # one push of 2,048 video tokens: vLLM's own check of each input ends the stream alone
+            long_clip = make_video(64, 224, 224, seed=7).frames
+            _expect_ended(stream, _push_until_ended(stream, 1, long_clip), "maximum model length", str(MAX_MODEL_LEN))
+    _others_keep_serving(client, other, server)
+
+
+def test_a_stream_ends_alone_at_its_rotary_range_and_the_others_keep_serving(short_range_server):
+    """A 224x224 8-frame clip is 258 tokens but 10 positions: a stream passes the model's rotary range (1,024)
+    in tokens, answers, and ends with a 410 naming its positions when its next push would pass the range."""
+    client = StreamClient(short_range_server.base_url, timeout=120)
+    other = client.open()
+    other.append(clip(seed=100))
+    frames = make_video(8, 224, 224, seed=3).frames
+    with client.open() as stream:
+        assert _push_until_ended(stream, 8, frames) is None  # 2,064 tokens: past the range in tokens
+        assert isinstance(stream.ask("What color was the square?", max_tokens=2), str)
+        _expect_ended(stream, _push_until_ended(stream, 120, frames), "rotary positions", "max_position_embeddings")
+    _others_keep_serving(client, other, short_range_server)

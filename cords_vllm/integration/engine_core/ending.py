@@ -49,8 +49,8 @@ def length_reason(request: Any, max_model_len: int) -> str | None:
     """
     if not getattr(request, "resumable", False) or request.num_tokens < max_model_len:
         return None
-    return (f"its next turn takes it to {request.num_tokens} tokens, and --max-model-len is {max_model_len}: "
-            "every token a stream has pushed counts towards its length, evicted ones included")
+    return (f"its next turn takes it to {request.num_tokens} tokens, and --max-model-len is {max_model_len} (a "
+            "stream's length is what it holds plus the turn under a KV policy; every token it pushed without one)")
 
 
 class RequestEnder:
@@ -66,7 +66,11 @@ class RequestEnder:
         """End every waiting request (new ones, and sessions whose next turn arrived) that is past
         ``--max-model-len`` or that ``check`` refuses."""
         self.ending.intersection_update(scheduler.requests)
-        for request in [*scheduler.waiting, *scheduler.kv_holding_waiting]:
+        waiting = [*scheduler.waiting, *scheduler.kv_holding_waiting]
+        if stale := [r for r in waiting if r.request_id in self.ending]:  # a preempted one the step put back
+            scheduler.waiting.remove_requests(stale)
+            scheduler.kv_holding_waiting.remove_requests(stale)
+        for request in waiting:
             if request.request_id in self.ending:
                 continue
             reason = length_reason(request, self.max_model_len) or (check(request) if check else None)

@@ -124,3 +124,25 @@ def make_max_memory_usage(original: Callable) -> Callable:
             blocks += min(policy.stream_footprint_blocks(max_len, bs), cdiv(max_len, bs))
         return kv_cache_utils._pool_bytes_per_block(vllm_config, groups) * blocks
     return _max_memory_usage_bytes_from_groups
+
+
+def make_update_request_as_session(original: Callable) -> Callable:
+    def _update_request_as_session(self, session, update):
+        comp = scheduler_hooks(self).compressor
+        if comp is None:
+            return original(self, session, update)
+        comp.before_session_update(self, session)
+        result = original(self, session, update)
+        comp.after_session_update(session)
+        return result
+    return _update_request_as_session
+
+
+def make_preempt_request(original: Callable) -> Callable:
+    def _preempt_request(self, request, timestamp, *args, **kwargs):
+        result = original(self, request, timestamp, *args, **kwargs)
+        hooks = scheduler_hooks(self)
+        if hooks.compressor is not None and (reason := hooks.compressor.preemption_reason(request)) is not None:
+            hooks.ender.end(self, request, reason)
+        return result
+    return _preempt_request

@@ -40,8 +40,11 @@ class HeldKVObserver:
         #: Blocks held by the request that held the most so far.
         self.peak = 0
 
+    def _tracker(self, req_id: str):
+        return self.compressor.trackers.get(req_id) if self.compressor is not None else None
+
     def _state(self, req_id: str):
-        tracker = self.compressor.trackers.get(req_id) if self.compressor is not None else None
+        tracker = self._tracker(req_id)
         return tracker.state if tracker is not None else None
 
     def __call__(self, scheduler: Any, output: Any) -> None:
@@ -58,9 +61,11 @@ class HeldKVObserver:
         for req_id, request in scheduler.requests.items():
             if not getattr(request, "resumable", False):
                 continue
-            state = self._state(req_id)
-            computed = request.num_computed_tokens
+            tracker = self._tracker(req_id)
+            state = tracker.state if tracker is not None else None
+            # a re-based stream's request lost the tokens it evicted: count them back for its length
+            streamed = request.num_computed_tokens + (tracker.removed_tokens if tracker is not None else 0)
             streams[external_request_id(req_id)] = HeldKV(
                 blocks=non_null_blocks(rows.get(req_id, []), state),
-                tokens=computed - (state.evicted_tokens if state is not None else 0), stream_tokens=computed)
+                tokens=streamed - (state.evicted_tokens if state is not None else 0), stream_tokens=streamed)
         self.publisher.hold(streams)

@@ -7,6 +7,7 @@ from collections.abc import Collection
 from typing import Any
 
 from cords_vllm.compress.plan import CandidateSpans
+from cords_vllm.compress.positions import Grid
 from cords_vllm.config import MODALITIES
 from cords_vllm.model_facts import ModelFacts
 
@@ -25,9 +26,11 @@ def external_request_id(internal_id: str) -> str:
     return internal_id
 
 
-def candidate_spans(request: Any, facts: ModelFacts, modalities: Collection[str] = MODALITIES) -> CandidateSpans:
-    """Logical ranges of a vLLM ``Request``'s candidate tokens: those of its multimodal inputs whose modality
-    is in ``modalities`` (from their placeholders), in prompt order.
+def candidate_spans(request: Any, facts: ModelFacts, modalities: Collection[str] = MODALITIES,
+                    floor: int = 0) -> CandidateSpans:
+    """Logical ranges of a vLLM ``Request``'s candidate tokens from token ``floor`` on: those of its multimodal
+    inputs whose modality is in ``modalities`` (from their placeholders), in prompt order. (A re-based stream's
+    tokens before ``floor`` are its held region, whose inputs' places no longer mean anything.)
 
     Images and videos alike: each image is one frame (its own M-RoPE temporal label), so the images of a
     request, e.g. video frames a client sent as ``image_url`` parts, are one stream of frames in time order,
@@ -58,5 +61,33 @@ def candidate_spans(request: Any, facts: ModelFacts, modalities: Collection[str]
         tokens = request.prompt_token_ids or ()
         spans = [(start - (start > 0 and tokens[start - 1] in markers),
                   end + (end < len(tokens) and tokens[end] in markers)) for start, end in spans]
-    return CandidateSpans(tuple(sorted(spans)))
+    return CandidateSpans(tuple(sorted((max(start, floor), end) for start, end in spans if end > floor)))
 
+
+
+def _field(data: Any, key: str) -> Any:
+    elem = data.get(key) if data is not None else None
+    return None if elem is None else elem.data
+
+
+def grids_of(features: Any, facts: ModelFacts, start: int = 0) -> list[Grid]:
+    """The :class:`~cords_vllm.compress.positions.Grid` of each multimodal input (``features``: vLLM
+    ``MultiModalFeatureSpec``), offsets relative to token ``start``; read as vLLM 0.32's Qwen-VL models read
+    them (``iter_mm_grid_thw``).
+
+    Raises ``ValueError`` for an input whose grid the engine core was not sent (its positions cannot be counted).
+    """
+    grids = []
+    merge = facts.spatial_merge_size
+    for feature in features or ():
+        thw = _field(feature.data, f"{feature.modality}_grid_thw")
+        if thw is None:
+            raise ValueError(f"a {feature.modality} input reached the engine core without its grid: its positions "
+                             "cannot be counted")
+        t, h, w = (int(x) for x in thw.tolist())
+        factor = 1.0
+        if feature.modality == "video":
+            per_grid = _field(feature.data, "second_per_grid_ts")
+            factor = (float(per_grid.item()) if per_grid is not None else 1.0) * (facts.tokens_per_second or 1.0)
+        grids.append(Grid(feature.mm_position.offset - start, t, h // merge, w // merge, factor))
+    return grids

@@ -13,6 +13,12 @@ Admission: vLLM reserves a new request's whole prompt (``scheduler_reserve_full_
 candidates, the reservation is capped at its compressed footprint
 (:func:`~cords_vllm.compress.plan.compressed_footprint_blocks`), so prompts whose full length would not
 fit are admitted when their compressed form does.
+
+Streaming sessions: when a session's next turn arrives, the evicted part of its region leaves the request
+(:mod:`cords_vllm.integration.engine_core.rebase`) and a :class:`~cords_vllm.compress.plan.RebasePlan` tells
+the workers; the scheduler counts the session's rotary positions as its turns arrive and ends it, with a
+published reason, when its next turn would pass the model's rotary range (its limit instead of its length), or
+if it must be preempted once re-based (it could no longer be recomputed from its own tokens).
 """
 
 from __future__ import annotations
@@ -20,8 +26,17 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from cords_vllm.compress.plan import CompressionPlan, apply_plan, next_compression_point, plan_compression
+from cords_vllm.compress.plan import (
+    CompressionPlan,
+    RebasePlan,
+    apply_plan,
+    next_compression_point,
+    plan_compression,
+)
+from cords_vllm.compress.positions import next_position
 from cords_vllm.config import KVPolicyConfig, KVPolicyConfigError
+from cords_vllm.integration.engine_core.rebase import remove_range
+from cords_vllm.integration.engine_core.requests import grids_of
 from cords_vllm.integration.engine_core.tracker import RequestCompression, RequestTracker, non_null_blocks
 from cords_vllm.integration.engine_facts import model_facts_of, single_kv_cache_group
 from cords_vllm.integration.plans import attach_plans
@@ -57,7 +72,7 @@ class SchedulerCompressor:
         self.facts = model_facts_of(scheduler.vllm_config)
         self.text_limit = config.text_limit(scheduler.vllm_config.model_config.max_model_len)
         self.trackers: dict[str, RequestTracker] = {}
-        self.pending: list[CompressionPlan] = []
+        self.pending: list[CompressionPlan | RebasePlan] = []
         self.publisher = publisher
 
     def tracker(self, request: Any) -> RequestTracker:
@@ -112,7 +127,72 @@ class SchedulerCompressor:
                     f"({self.text_limit})")
         if isinstance(invalid := tracker.narrowed(request, self.config), KVPolicyConfigError):
             return str(invalid)
-        return None
+        return self._position_reason(request, tracker)
+
+    # ------------------------------------------------------------------------------------------------
+    # Streaming sessions: re-based at each turn, limited by their rotary range.
+    def _next_position(self, request: Any, tracker: RequestTracker) -> int:
+        """The first rotary position after the request's prompt (counted once, then kept up as turns arrive)."""
+        if tracker.next_position is None:
+            if tracker.rebased:
+                raise RuntimeError(f"request {request.request_id} was re-based before its positions were counted")
+            tracker.next_position = next_position(request.num_prompt_tokens, grids_of(request.mm_features, self.facts))
+        return tracker.next_position
+
+    def _position_reason(self, request: Any, tracker: RequestTracker) -> str | None:
+        """Why a session's next turn cannot run within the model's rotary range (``None`` if it can)."""
+        limit = self.facts.max_positions
+        if not getattr(request, "resumable", False) or not self.facts.rebases_streams or limit is None:
+            return None
+        try:
+            end = self._next_position(request, tracker) + max(request.max_tokens, 1) - 1
+        except ValueError as exc:
+            return str(exc)
+        if end <= limit:
+            return None
+        return (f"its next turn would take its rotary positions to {end}, past the model's range of {limit} "
+                "(max_position_embeddings): a stream's limit is its positions, which advance by the extent of "
+                "each clip and by every text token, evicted or not")
+
+    def before_session_update(self, scheduler: Any, session: Any) -> None:
+        """A session's next turn arrived (before vLLM appends it): remove its evicted range from the request."""
+        if not self.facts.rebases_streams:
+            return
+        tracker = self.tracker(session)
+        if tracker.next_position is None:
+            self._next_position(session, tracker)
+        prompt = session.num_prompt_tokens
+        held, removed = 0, 0
+        if tracker.state.region_blocks > tracker.state.held_blocks:
+            held, removed = tracker.rebase(self.block_size)
+            drop = not scheduler.encoder_cache_manager.get_cached_input_ids(session)
+            remove_range(session, self.manager.req_to_blocks[session.request_id], held, removed, self.block_size,
+                         self.pool.null_block, drop)
+        tracker.turn_start = (held, removed, prompt - removed)
+
+    def after_session_update(self, session: Any) -> None:
+        """vLLM appended the turn: count its positions and tell the workers how the request changed."""
+        tracker = self.trackers.get(session.request_id)
+        if tracker is None or tracker.turn_start is None:
+            return
+        held, removed, start = tracker.turn_start
+        tracker.turn_start = None
+        turn = [f for f in session.mm_features if f.mm_position.offset >= start]
+        position = next_position(session.num_prompt_tokens - start, grids_of(turn, self.facts, start),
+                                 start=tracker.next_position)
+        tracker.next_position = position
+        self.pending.append(RebasePlan(session.request_id, held, removed, position))
+        if removed:
+            logger.debug("cords-vllm: session %s re-based: %d tokens removed, %d held, next position %d",
+                         session.request_id, removed, held, position)
+
+    def preemption_reason(self, request: Any) -> str | None:
+        """Why a request must end rather than be preempted: once re-based, it cannot be recomputed."""
+        tracker = self.trackers.get(request.request_id)
+        if tracker is None or not tracker.rebased:
+            return None
+        return ("the KV pool ran out and the stream would have been preempted; a stream whose evicted tokens "
+                "left it cannot be recomputed from its own tokens (raise the pool or lower the number of streams)")
 
     def after_schedule(self, scheduler_output: Any) -> None:
         """Attach this step's plans (minus requests the step preempted) to its output."""
@@ -121,7 +201,7 @@ class SchedulerCompressor:
         for req_id in preempted:
             if (tracker := self.trackers.get(req_id)) is not None:
                 tracker.reset()
-        attach_plans(scheduler_output, [p for p in plans if p.req_id not in preempted])
+        attach_plans(scheduler_output, [p for p in plans if isinstance(p, RebasePlan) or p.req_id not in preempted])
 
     def chunk_limit(self, request: Any, num_computed: int) -> int | None:
         """The most tokens ``request`` may compute from ``num_computed`` on: up to its next compression point.

@@ -176,3 +176,45 @@ def record_steps(llm: Any) -> StepRecorder:
     recorder = StepRecorder(total_blocks=scheduler.kv_cache_manager.block_pool.num_gpu_blocks - 1)  # 0 is null
     observe_steps(llm, recorder.observe)
     return recorder
+
+
+@dataclass(frozen=True)
+class HostLengths:
+    """How much host state one request keeps, in each process (entries of each list or tensor).
+
+    ``tokens``: the scheduler's token list (``Request._all_token_ids``); ``prompt``: its prompt token list;
+    ``row``: its row of blocks (null entries included); ``inputs``: its multimodal inputs; ``worker_tokens``,
+    ``worker_positions``, ``worker_row``, ``worker_inputs``: the same in the worker (``CachedRequestState``:
+    prompt tokens, M-RoPE position columns, block ids, multimodal inputs); ``num_computed``: the scheduler's
+    computed-token count.
+    """
+
+    tokens: int
+    prompt: int
+    row: int
+    inputs: int
+    num_computed: int
+    worker_tokens: int
+    worker_positions: int
+    worker_row: int
+    worker_inputs: int
+
+
+def _worker_lengths(worker: Any, req_id: str) -> tuple[int, int, int, int] | None:
+    state = worker.model_runner.requests.get(req_id)
+    if state is None:
+        return None
+    positions = getattr(state, "mrope_positions", None)
+    return (len(state.prompt_token_ids or ()), 0 if positions is None else int(positions.shape[-1]),
+            len(state.block_ids[0]), len(state.mm_features or ()))
+
+
+def host_lengths(llm: Any, req_id: str) -> HostLengths:
+    """:class:`HostLengths` of request ``req_id`` (engine-internal id) of an in-process ``LLM``."""
+    scheduler = scheduler_of(llm)
+    request = scheduler.requests[req_id]
+    row = scheduler.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks.get(req_id, [])
+    workers = [w for w in llm.collective_rpc(_worker_lengths, args=(req_id,)) if w is not None]
+    worker = workers[0] if workers else (0, 0, 0, 0)
+    return HostLengths(len(request._all_token_ids), len(request.prompt_token_ids), len(row),
+                       len(request.mm_features), request.num_computed_tokens, *worker)

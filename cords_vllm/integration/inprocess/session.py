@@ -15,6 +15,7 @@ it holds at most its bounded footprint, and a turn that only adds video costs on
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from typing import Any
 
 from vllm import SamplingParams
@@ -122,3 +123,26 @@ class EngineSession:
         if self.request_id is not None:
             self.engine.abort_request([self.request_id], internal=True)
         self.closed = True
+
+
+def run_turns(engine: Any, turns: Sequence[tuple[EngineSession, Any]], max_tokens: int = 1) -> dict[str, list[int]]:
+    """Run one turn of several sessions of one engine at once: start ``prompt`` on each ``(session, prompt)``,
+    step ``engine`` (``llm.llm_engine``) until every turn ended; returns each turn's tokens by the session's
+    external id. (:meth:`EngineSession.step` reads only its own session's outputs.)"""
+    by_id: dict[str, EngineSession] = {}
+    for session, prompt in turns:
+        session.start_turn(prompt, max_tokens=max_tokens)
+        by_id[session.request_id] = by_id[session.external_id] = session
+    tokens: dict[str, list[int]] = {s.external_id: [] for s, _ in turns}
+    waiting = set(tokens)
+    while waiting:
+        for out in engine.step():
+            session = by_id.get(out.request_id)
+            if session is None or session.external_id not in waiting:
+                continue
+            tokens[session.external_id].extend(out.outputs[0].token_ids)
+            if out.outputs[0].finish_reason is not None or out.finished:
+                waiting.discard(session.external_id)
+        if waiting and not engine.has_unfinished_requests():
+            raise SessionClosed(f"sessions {sorted(waiting)} ended during a turn")
+    return tokens

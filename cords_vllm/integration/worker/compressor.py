@@ -16,10 +16,17 @@ before this step's forward, which is the first thing that can write them.
 
 Each compressed request has one :class:`~cords_vllm.integration.worker.tracker.WorkerRequest`, dropped when it
 finishes, is preempted (it recomputes from scratch) or resumes after a preemption.
+
+A streaming session's next turn reaches the worker as vLLM's ``_update_streaming_request`` (the whole request
+again), with the scheduler's :class:`~cords_vllm.compress.plan.RebasePlan`: the worker keeps the positions of
+the tokens that remain, computes only the new turn's with the model's own M-RoPE rule from the session's next
+position (checked against the scheduler's count), and drops the holes of its row
+(:meth:`WorkerCompressor.turn_positions`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -31,9 +38,9 @@ import numpy as np
 import torch
 
 from cords_vllm.compress.attention_view import RowHoles
-from cords_vllm.compress.frames import RequestFrames, frames_from_mrope
+from cords_vllm.compress.frames import frame_sizes
 from cords_vllm.compress.kv_access import KVAccessor, slots_of
-from cords_vllm.compress.plan import NULL_BLOCK_ID, CompressionPlan
+from cords_vllm.compress.plan import NULL_BLOCK_ID, CompressionPlan, RebasePlan
 from cords_vllm.compress.step import RegionBatch, SelectionSetup, compress_region
 from cords_vllm.compress.transfer import upload
 from cords_vllm.config import KVPolicyConfig
@@ -61,8 +68,9 @@ class WorkerPlanError(RuntimeError):
 class CompressionEvent:
     """A compression as carried out by a worker (recorded when ``CORDS_VLLM_TRACE=1``).
 
-    ``kept_logical[l]`` is ``long [H, n]`` (host): the logical ids layer ``l`` holds right after the
-    compression, up to ``at_token`` (the first logical token of the chunk computed next).
+    ``kept_logical[l]`` is ``long [H, n]`` (host): the ids (indices in the stream, as if nothing had been
+    removed from it) layer ``l`` holds right after the compression, up to ``at_token`` (the id of the first
+    token of the chunk computed next).
     """
 
     req_id: str
@@ -121,6 +129,8 @@ class WorkerCompressor:
             selector=get_selector(config.policy, **dict(config.params)), granularity=config.granularity,
             per_head=config.per_head, anchor_of=tuple(config.anchor_of(i, len(names)) for i in range(len(names))))
         self.requests: dict[str, WorkerRequest] = {}
+        #: The scheduler's plans for sessions whose next turn has not reached the worker yet.
+        self.turns: dict[str, RebasePlan] = {}
         self.totals = _Totals()
         self.trace = os.environ.get(TRACE_ENV) == "1"
         self.publisher = Publisher("worker")
@@ -159,12 +169,15 @@ class WorkerCompressor:
             state = runner.requests.get(req_id)
             if state is None or state.num_computed_tokens == 0:
                 gone.add(req_id)  # resumed after a preemption: recomputes from scratch
+        for req_id in set(scheduler_output.finished_req_ids or ()):
+            self.turns.pop(req_id, None)
         for req_id in gone:
             tracker = self.requests.pop(req_id, None)
             if tracker is not None:
                 logger.debug("cords-vllm: request %s left the worker after %d compressions (%.1f ms selecting)",
                              req_id, tracker.compressions, 1e3 * tracker.selection_seconds)
-        plans = [p for p in plans_of(scheduler_output) if p.req_id not in gone and p.req_id in runner.requests]
+        plans = [p for p in plans_of(scheduler_output) if isinstance(p, CompressionPlan)
+                 and p.req_id not in gone and p.req_id in runner.requests]
         if plans:
             with intra_op_threads(self.selection_threads):
                 for plan in plans:
@@ -176,7 +189,7 @@ class WorkerCompressor:
             return []
         index = input_batch.req_id_to_index
         return [RowHoles(row, *tracker.holes) for req_id, tracker in self.requests.items()
-                if tracker.compressed and (row := index.get(req_id)) is not None]
+                if tracker.holes[0] < tracker.holes[1] and (row := index.get(req_id)) is not None]
 
     def snapshot(self) -> WorkerSnapshot:
         t = self.totals
@@ -194,39 +207,52 @@ class WorkerCompressor:
         if index is not None:
             plan.compact_row(runner.input_batch.block_table[0].block_table.np[index], NULL_BLOCK_ID)
 
-    def _frames(self, runner: Any, plan: CompressionPlan, tracker: WorkerRequest) -> RequestFrames | None:
-        """The request's frames when the plan needs them (a streaming session's grow with every turn)."""
+    def _labels(self, runner: Any, plan: CompressionPlan, tracker: WorkerRequest) -> torch.Tensor | None:
+        """Frame labels of the tokens entering the region (host, ``long [N]``) when the plan needs them, after
+        updating the request's frame sizes from its spans ahead of the region (those behind it were read by
+        earlier compressions)."""
         if self.config.granularity != "frame" and not self.setup.selector.needs_frame_length:
             return None
         mrope = getattr(runner.requests[plan.req_id], "mrope_positions", None)
-        if mrope is not None and (tracker.frames is None or tracker.frames.num_tokens != mrope.shape[-1]):
-            tracker.frames = frames_from_mrope(mrope, plan.candidates.spans, self.device)
-        if tracker.frames is None and self.config.granularity == "frame":
-            raise WorkerPlanError(f"request {plan.req_id} has no M-RoPE positions to find its frames in")
-        return tracker.frames
+        if mrope is None:
+            if self.config.granularity == "frame":
+                raise WorkerPlanError(f"request {plan.req_id} has no M-RoPE positions to find its frames in")
+            return None
+        temporal = mrope[0]
+        begin = plan.prev_region_blocks * plan.block_size
+        sizes = frame_sizes(temporal, [(max(a, begin), b) for a, b in plan.candidates.spans if b > begin])
+        if sizes:
+            tracker.first_frame = tracker.first_frame or sizes[0]
+            tracker.largest_frame = max(tracker.largest_frame, *sizes)
+        return temporal[begin: plan.region_blocks * plan.block_size].to(torch.long)
 
-    def _region_batch(self, plan: CompressionPlan, frames: RequestFrames | None) -> RegionBatch:
-        bs = plan.block_size
-        src, kept, spans = upload([np.asarray(plan.src_blocks), np.asarray(plan.kept_blocks),
-                                   np.asarray(plan.candidates.spans).reshape(-1, 2)], self.device)
-        new_ids = torch.arange(plan.prev_region_blocks * bs, plan.region_blocks * bs, device=self.device)
+    def _region_batch(self, plan: CompressionPlan, tracker: WorkerRequest, labels: torch.Tensor | None
+                      ) -> RegionBatch:
+        bs, base = plan.block_size, tracker.removed_tokens
+        spans = np.asarray(plan.candidates.spans, dtype=np.int64).reshape(-1, 2) + base
+        host = [np.asarray(plan.src_blocks), np.asarray(plan.kept_blocks), spans]
+        frames = labels is not None
+        if frames:
+            host.append(labels.numpy())
+        src, kept, spans_d, *rest = upload(host, self.device)
+        new_ids = torch.arange(base + plan.prev_region_blocks * bs, base + plan.region_blocks * bs, device=self.device)
         granularity = self.config.granularity
-        group_size = {"block": bs, "frame": frames.largest if frames is not None else None}.get(granularity)
+        group_size = {"block": bs, "frame": tracker.largest_frame if frames else None}.get(granularity)
         return RegionBatch(
-            src_slots=slots_of(src, bs), dst_slots=slots_of(kept, bs), new_ids=new_ids, spans=spans,
-            frame_labels=frames.labels if granularity == "frame" and frames is not None else None,
+            src_slots=slots_of(src, bs), dst_slots=slots_of(kept, bs), new_ids=new_ids, spans=spans_d,
+            new_labels=rest[0] if granularity == "frame" and frames else None,
             num_keep=plan.num_keep, num_keep_candidates=plan.num_keep_candidates,
             num_candidates=plan.num_held_candidates, group_size=group_size,
-            frame_tokens=frames.first_input if frames is not None else None)
+            frame_tokens=tracker.first_frame if frames else None)
 
     def _apply(self, runner: Any, plan: CompressionPlan) -> None:
         self._rewrite_rows(runner, plan)
         tracker = self.requests.get(plan.req_id)
         if tracker is None:
-            tracker = self.requests[plan.req_id] = WorkerRequest(ids=[None] * len(self.caches))
+            tracker = self.requests[plan.req_id] = WorkerRequest(held=[None] * len(self.caches))
         t0 = time.perf_counter()
-        batch = self._region_batch(plan, self._frames(runner, plan, tracker))
-        tracker.ids = compress_region(self.caches, self.accessors, tracker.ids, batch, self.setup)
+        batch = self._region_batch(plan, tracker, self._labels(runner, plan, tracker))
+        tracker.held = compress_region(self.caches, self.accessors, tracker.held, batch, self.setup)
         seconds = time.perf_counter() - t0
         tracker.holes = (plan.num_keep // plan.block_size, plan.region_blocks)
         tracker.compressions += 1
@@ -239,9 +265,57 @@ class WorkerCompressor:
                      "%.1f ms", plan.req_id, at, plan.region_blocks, plan.num_keep, plan.num_held,
                      plan.num_keep_candidates, 1e3 * seconds)
         if self.trace:
-            heads = self.accessors[0].num_kv_heads
-            tail = torch.arange(plan.region_blocks * plan.block_size, at).expand(heads, -1)
+            heads, base = self.accessors[0].num_kv_heads, tracker.removed_tokens
+            tail = torch.arange(base + plan.region_blocks * plan.block_size, base + at).expand(heads, -1)
             self.totals.events.append(CompressionEvent(
-                req_id=plan.req_id, at_token=at, region_blocks=plan.region_blocks,
-                kept_logical=tuple(torch.cat([h.cpu(), tail], dim=1) for h in tracker.ids),
+                req_id=plan.req_id, at_token=base + at, region_blocks=plan.region_blocks,
+                kept_logical=tuple(torch.cat([h.ids.cpu(), tail], dim=1) for h in tracker.held if h is not None),
                 selection_seconds=seconds))
+
+    # ------------------------------------------------------------------------------------------------
+    # Streaming sessions: each turn re-based.
+    def receive_turns(self, scheduler_output: Any) -> None:
+        """Keep this step's :class:`~cords_vllm.compress.plan.RebasePlan` until the session's turn arrives."""
+        for plan in plans_of(scheduler_output):
+            if isinstance(plan, RebasePlan):
+                self.turns[plan.req_id] = plan
+
+    def turn_positions(self, runner: Any, req_state: Any) -> bool:
+        """Set a session's M-RoPE positions for its new turn if the scheduler sent a plan for it (``False``: not
+        a session turn, vLLM computes them).
+
+        vLLM has already replaced the request's prompt, multimodal inputs, row and counts with the scheduler's
+        (re-based) ones; ``req_state.mrope_positions`` still holds the previous turn's positions, ``[3, P]``.
+        The remaining tokens keep theirs (held slots, whose keys are already rotated, keep what stood there:
+        nothing reads them again); the turn's tokens get the model's own positions for the turn alone,
+        moved to start at the session's next position.
+        """
+        plan = self.turns.get(req_state.req_id)
+        old = getattr(req_state, "mrope_positions", None)
+        if plan is None or old is None:
+            return False
+        del self.turns[req_state.req_id]
+        held, removed = plan.held_tokens, plan.removed_tokens
+        start = old.shape[1] - removed  # the turn's first token (the previous turn's kept answer tokens first)
+        next_start = old.shape[1] + req_state.mrope_position_delta
+        turn_features = [dataclasses.replace(f, mm_position=dataclasses.replace(
+            f.mm_position, offset=f.mm_position.offset - start))
+            for f in req_state.mm_features if f.mm_position.offset >= start and f.modality != "prompt_embeds"]
+        turn, _ = runner.get_model().get_mrope_input_positions(req_state.prompt_token_ids[start:], turn_features)
+        positions = torch.cat([old[:, :held], old[:, held + removed:], turn + next_start], dim=1)
+        next_position = int(turn.max()) + 1 + next_start if turn.shape[1] else next_start
+        if next_position != plan.next_position or positions.shape[1] != len(req_state.prompt_token_ids):
+            raise WorkerPlanError(
+                f"session {req_state.req_id}: the worker counts next position {next_position} over "
+                f"{positions.shape[1]} tokens, the scheduler {plan.next_position} over "
+                f"{len(req_state.prompt_token_ids)}")
+        req_state.mrope_positions = positions
+        req_state.mrope_position_delta = next_position - positions.shape[1]
+        tracker = self.requests.get(req_state.req_id)
+        if tracker is not None and removed:
+            if tracker.holes[1] * self.block_size != held + removed:
+                raise WorkerPlanError(f"session {req_state.req_id}: the worker's region ends at block "
+                                      f"{tracker.holes[1]}, the scheduler removes tokens [{held}, {held + removed})")
+            tracker.holes = (tracker.holes[0], tracker.holes[0])
+            tracker.removed_tokens += removed
+        return True

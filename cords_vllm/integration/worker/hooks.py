@@ -46,12 +46,22 @@ def attached_compressor(runner: Any) -> WorkerCompressor | None:
 # Wrappers (``make(original) -> wrapper``), installed by the patch table.
 def make_update_states(original: Callable) -> Callable:
     def _update_states(self, scheduler_output):
-        result = original(self, scheduler_output)
         comp = worker_compressor(self)
+        if comp is not None:
+            comp.receive_turns(scheduler_output)
+        result = original(self, scheduler_output)
         if comp is not None:
             comp.on_step(self, scheduler_output)
         return result
     return _update_states
+
+
+def make_init_mrope_positions(original: Callable) -> Callable:
+    def _init_mrope_positions(self, req_state):
+        comp = worker_compressor(self)
+        if comp is None or not comp.turn_positions(self, req_state):
+            original(self, req_state)
+    return _init_mrope_positions
 
 
 def make_build_metadata(original: Callable) -> Callable:

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from cords_vllm.compress.frames import RequestFrames
+from cords_vllm.compress.step import HeldTokens
 
 
 @dataclass
@@ -15,18 +13,22 @@ class WorkerRequest:
 
     Attributes
     ----------
-    ids:
-        Per layer, ``long [H, n]`` on the cache's device: the logical ids its compacted region holds per KV head
-        (to know which held tokens are candidates at the next compression); ``None`` before the first one.
+    held:
+        Per layer, the :class:`~cords_vllm.compress.step.HeldTokens` its compacted region holds (ids, which are
+        candidates, frame labels), on the cache's device; ``None`` before the first compression.
     holes:
         ``(k, j)``: kept blocks and region blocks of its row (host integers, for the attention view).
-    frames:
-        Its frame structure, read from its M-RoPE positions when a plan needs it (re-read when its prompt grew).
+    removed_tokens:
+        Tokens re-basing removed from the request so far: a token's id in the stream is its index plus this.
+    largest_frame, first_frame:
+        Tokens of the largest frame seen, and per frame of its first input (``0``: not read yet).
     """
 
-    ids: list[torch.Tensor | None]
+    held: list[HeldTokens | None]
     holes: tuple[int, int] = (0, 0)
-    frames: RequestFrames | None = None
+    removed_tokens: int = 0
+    largest_frame: int = 0
+    first_frame: int = 0
     compressions: int = 0
     selection_seconds: float = 0.0
 

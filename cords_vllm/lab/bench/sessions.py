@@ -75,8 +75,9 @@ def run_session(model_dir: str | Path, spec: PolicySpec, *, pushes: int, clip_fr
     try:
         per_push = 0
         for i in range(pushes):
-            if per_push and streamed + per_push + 16 > max_model_len:
-                # vLLM ends a session at max-model-len tokens (and its own check ties that to the pool)
+            if spec.policy == "none" and per_push and streamed + per_push + 16 > max_model_len:
+                # vLLM ends a session at max-model-len tokens (and its own check ties that to the pool); under
+                # a policy a stream is re-based at every push, its length is what it holds
                 run.stopped = f"push {i + 1}: the stream would pass max-model-len ({max_model_len} tokens)"
                 break
             clip = make_video(clip_frames, size, size, seed=1000 + i).frames
@@ -91,7 +92,7 @@ def run_session(model_dir: str | Path, spec: PolicySpec, *, pushes: int, clip_fr
             if state is None:
                 run.stopped = f"push {i + 1}: the engine ended the stream (max-model-len {max_model_len} reached)"
                 break
-            per_push, streamed = state.candidate_tokens - streamed, state.candidate_tokens
+            per_push, streamed = state.sent_candidate_tokens - streamed, state.sent_candidate_tokens
             record = PushRecord(push=i + 1, stream_tokens=streamed, held_blocks=state.held_blocks, seconds=seconds)
             run.records.append(record)
             if on_push:

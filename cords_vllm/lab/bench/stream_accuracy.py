@@ -130,30 +130,6 @@ class StreamResult:
     video_tokens: int
 
 
-def _run_turns(engine: Any, turns: Sequence[tuple[Any, dict[str, Any]]]) -> dict[str, list[int]]:
-    """Start one turn (``max_tokens=1``) per ``(EngineSession, prompt)`` and step ``engine`` until all of them
-    ended; returns the tokens each turn generated, by the session's external id."""
-    from cords_vllm.integration.inprocess.session import SessionClosed
-
-    by_id: dict[str, Any] = {}
-    for session, prompt in turns:
-        session.start_turn(prompt, max_tokens=1)
-        by_id[session.request_id] = by_id[session.external_id] = session
-    tokens: dict[str, list[int]] = {s.external_id: [] for s, _ in turns}
-    waiting = set(tokens)
-    while waiting:
-        for out in engine.step():
-            session = by_id.get(out.request_id)
-            if session is None or session.external_id not in waiting:
-                continue
-            tokens[session.external_id].extend(out.outputs[0].token_ids)
-            if out.outputs[0].finish_reason is not None or out.finished:
-                waiting.discard(session.external_id)
-        if waiting and not engine.has_unfinished_requests():
-            raise SessionClosed(f"sessions {sorted(waiting)} ended during a turn")
-    return tokens
-
-
 @dataclass
 class _Live:
     """A stream being pushed: its index among the plans, its session, its turns and the index of the next one."""
@@ -168,7 +144,7 @@ def run_streams(llm: Any, plans: Sequence[StreamPlan], batch: int) -> list[Strea
     """Push ``plans`` through ``llm`` (an in-process ``LLM``), ``batch`` streams at a time, in rounds: every live
     stream runs its next turn, then streams that answered are aborted and replaced by the next plans."""
     from cords_vllm.integration.inprocess.introspect import requests_of, scheduler_of
-    from cords_vllm.integration.inprocess.session import EngineSession
+    from cords_vllm.integration.inprocess.session import EngineSession, run_turns
 
     engine, scheduler, tokenizer = llm.llm_engine, scheduler_of(llm), llm.get_tokenizer()
     results: dict[int, StreamResult] = {}
@@ -178,14 +154,14 @@ def run_streams(llm: Any, plans: Sequence[StreamPlan], batch: int) -> list[Strea
         while queue and len(live) < batch:
             i, plan = queue.pop(0)
             live.append(_Live(i, EngineSession(llm, f"stream-{i}"), plan.turns()))
-        tokens = _run_turns(engine, [(s.session, s.turns[s.next_turn]) for s in live])
+        tokens = run_turns(engine, [(s.session, s.turns[s.next_turn]) for s in live])
         for stream in live:
             stream.next_turn += 1
         held = requests_of(scheduler)
         for stream in [s for s in live if s.next_turn == len(s.turns)]:
             state = held[stream.session.request_id]
             results[stream.index] = StreamResult(tokenizer.decode(tokens[stream.session.external_id]),
-                                                 state.held_candidate_tokens, state.candidate_tokens)
+                                                 state.held_candidate_tokens, state.sent_candidate_tokens)
             stream.session.abort()
             live.remove(stream)
     return [results[i] for i in range(len(plans))]

@@ -118,6 +118,8 @@ class TinyModelSpec:
         Storage dtype of the weights (``"bfloat16"`` or ``"float32"``); load in fp32 for exact comparisons.
     seed:
         Seed of the weight initialisation.
+    max_position_embeddings:
+        The rotary range (131072 by default; small values make a stream's position limit reachable in tests).
     """
 
     num_layers: int = 4
@@ -135,6 +137,7 @@ class TinyModelSpec:
     extra_tokens: tuple[str, ...] = field(default_factory=tuple)
     dtype: str = "bfloat16"
     seed: int = 0
+    max_position_embeddings: int = 131072
 
     def __post_init__(self) -> None:
         positive = ("num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
@@ -167,7 +170,10 @@ class TinyModelSpec:
 
     def cache_key(self) -> str:
         """Short stable hash of the spec and the builder's format version."""
-        payload = json.dumps({"v": BUILD_FORMAT_VERSION, **dataclasses.asdict(self)}, sort_keys=True)
+        fields = dataclasses.asdict(self)
+        if fields["max_position_embeddings"] == 131072:  # added later: the default keeps earlier keys
+            del fields["max_position_embeddings"]
+        payload = json.dumps({"v": BUILD_FORMAT_VERSION, **fields}, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:12]
 
 
@@ -262,7 +268,7 @@ def _write_checkpoint(spec: TinyModelSpec, out: Path) -> None:
             "vocab_size": spec.vocab_size, "hidden_size": spec.hidden_size,
             "intermediate_size": spec.intermediate_size, "num_hidden_layers": spec.num_layers,
             "num_attention_heads": spec.num_heads, "num_key_value_heads": spec.num_kv_heads,
-            "max_position_embeddings": 131072, "rms_norm_eps": 1e-6,
+            "max_position_embeddings": spec.max_position_embeddings, "rms_norm_eps": 1e-6,
             "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0,
                                 "mrope_section": _mrope_section(spec.head_dim)},
             "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"],

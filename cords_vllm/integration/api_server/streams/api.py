@@ -85,7 +85,8 @@ class AskRequest(BaseModel):
 class KVHeld(BaseModel):
     blocks: int = Field(description="paged KV blocks the stream holds")
     tokens: int = Field(description="tokens whose KV the stream holds")
-    stream_tokens: int = Field(description="tokens streamed so far (the stream's logical length)")
+    stream_tokens: int = Field(description="tokens streamed so far, evicted ones included (what the stream was "
+                                           "sent; under a policy its length is what it holds)")
     block_size: int
 
 
