@@ -227,9 +227,14 @@ def test_streams_filling_the_pool_to_their_footprints_are_never_preempted(tiny_m
                                    for i, s in enumerate(sessions)])
         assert all(scheduler.requests[s.request_id].num_preemptions == 0 for s in sessions)
     assert all(snapshot(llm).requests[s.request_id].evicted_tokens > 0 for s in sessions)  # re-based
+    question = {"prompt": "What color was the square?<|im_end|>\n<|im_start|>assistant\n"}
+    answers = run_turns(llm.llm_engine, [(s, question) for s in sessions])
+    assert all(len(tokens) == 1 for tokens in answers.values())
+    assert all(scheduler.requests[s.request_id].num_preemptions == 0 for s in sessions)
     for session in sessions:
-        assert len(session.push({"prompt": "What color was the square?<|im_end|>\n<|im_start|>assistant\n"})) == 1
-        session.close()
+        session.abort()
+    llm.llm_engine.step()  # aborted requests reach the workers with the next step
+    assert snapshot(llm).free_blocks == 4 * footprint
     del llm
     gc.collect()
 

@@ -115,8 +115,10 @@ class EngineSession:
             return
         self._submit(TokensPrompt(prompt_token_ids=[0]), self.params(1), resumable=False)
         self.closed = True
-        while self.engine.has_unfinished_requests():
-            self.engine.step()
+        while self.engine.has_unfinished_requests():  # until this session ends (others may stay open)
+            if any(out.finished and out.request_id in (self.request_id, self.external_id)
+                   for out in self.engine.step()):
+                return
 
     def abort(self) -> None:
         """Abort the session wherever it is (mid-turn included): the engine frees its KV blocks."""
