@@ -10,7 +10,7 @@ pytestmark = pytest.mark.server
 
 
 def test_demo_streams_live_cameras_and_answers_right_under_cords(tmp_path, capsys):
-    args = demo.parse_args(["--cameras", "2", "--frames", "48", "--fps", "16", "--policies", "cords",
+    args = demo.parse_args(["--cameras", "2", "--frames", "48", "--fps", "8", "--policies", "cords",
                             "--out", str(tmp_path)])
     (run,) = demo.run_demo(args)
     out = capsys.readouterr().out
