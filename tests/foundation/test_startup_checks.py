@@ -15,8 +15,11 @@ from cords_vllm.integration.startup.checks import (
     check_attention,
     check_budget,
     check_engine,
+    check_engine_settings,
     check_frame_lengths,
     check_granularity,
+    runner_v2_reason,
+    ubatching_flag,
 )
 
 pytestmark = pytest.mark.engine
@@ -135,3 +138,35 @@ def test_check_engine_runs_every_check_and_skips_none():
     check_engine(KVPolicyConfig.parse("cords", {"budget": 256, "anchors": "all"}), FACTS)
     with pytest.raises(KVPolicyConfigError, match=r"'anchors'.*0\.\.3"):
         check_engine(KVPolicyConfig.parse("cords", {"budget": 256, "anchors": [4]}), FACTS)
+
+
+# -- engine settings the adapter does not hook ------------------------------------------------------
+def test_micro_batching_and_runner_v2_are_refused_naming_the_flag():
+    for flags in ("--enable-dbo", "--ubatch-size 2"):
+        with pytest.raises(KVPolicyConfigError, match=f"micro-batching \\({flags}\\).*Remove {flags.split()[0]}"):
+            check_engine(KVPolicyConfig.parse("cords", {"budget": 256}),
+                         EngineFacts("m", 4, 4096, True, ubatching=flags))
+    with pytest.raises(KVPolicyConfigError, match=r"Model Runner V2 would be built: watermarking \(--watermark"):
+        check_engine_settings("cords", None, "watermarking (--watermark-config) requires it")
+    check_engine_settings("cords", None, None)
+    check_engine(KVPolicyConfig.parse("none", None), EngineFacts("m", 4, 4096, True, ubatching="--enable-dbo"))
+
+
+def test_ubatching_flag_reads_vllms_parallel_config():
+    from vllm.config import ParallelConfig
+
+    assert ubatching_flag(ParallelConfig()) is None
+    assert ubatching_flag(ParallelConfig(enable_dbo=True)) == "--enable-dbo"
+    assert ubatching_flag(ParallelConfig(ubatch_size=2)) == "--ubatch-size 2"
+
+
+def test_runner_v2_reason_follows_vllms_own_rule(tiny_model, monkeypatch):
+    """vLLM's ``use_v2_model_runner`` (what its workers read) decides; the reason names the setting."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    config = EngineArgs(model=tiny_model, max_model_len=4096).create_engine_config()  # V2 cannot start on CPU
+    assert runner_v2_reason(config) is None
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")  # the rule is read when the workers are built
+    assert config.use_v2_model_runner
+    assert runner_v2_reason(config) == "VLLM_USE_V2_MODEL_RUNNER selects it"

@@ -35,6 +35,10 @@ class EngineFacts:
     sliding_window: int | None = None
     hybrid: bool = False
     attention_free: bool = False
+    #: The flag that turned on micro-batching (``None``: off).
+    ubatching: str | None = None
+    #: Why vLLM will build Model Runner V2 (``None``: it builds the V1 runner the plugin patches).
+    runner_v2: str | None = None
 
     @classmethod
     def from_vllm_config(cls, vllm_config: Any) -> EngineFacts:
@@ -47,7 +51,31 @@ class EngineFacts:
             sliding_window=mc.get_sliding_window(),
             hybrid=bool(mc.is_hybrid),
             attention_free=bool(mc.is_attention_free),
+            ubatching=ubatching_flag(vllm_config.parallel_config),
+            runner_v2=runner_v2_reason(vllm_config),
         )
+
+
+def ubatching_flag(parallel_config: Any) -> str | None:
+    """The flag that turned on vLLM's micro-batching (dual-batch overlap), or ``None``."""
+    if getattr(parallel_config, "enable_dbo", False):
+        return "--enable-dbo"
+    if int(getattr(parallel_config, "ubatch_size", 0) or 0) > 1:
+        return f"--ubatch-size {parallel_config.ubatch_size}"
+    return None
+
+
+def runner_v2_reason(vllm_config: Any) -> str | None:
+    """Why vLLM will build Model Runner V2 for ``vllm_config`` (its own ``use_v2_model_runner`` rule, which the
+    workers read), or ``None`` when it builds the V1 runner. Settings that require V2 win over
+    ``VLLM_USE_V2_MODEL_RUNNER=0``, so the reason names them."""
+    if not vllm_config.use_v2_model_runner:
+        return None
+    if getattr(vllm_config.attention_config, "hisparse_config", None) is not None:
+        return "HiSparse attention (--attention-config hisparse_config) requires it"
+    if getattr(vllm_config, "watermark_config", None) is not None:
+        return "watermarking (--watermark-config) requires it, whatever VLLM_USE_V2_MODEL_RUNNER says"
+    return "VLLM_USE_V2_MODEL_RUNNER selects it"
 
 
 def check_engine(policy: KVPolicyConfig, facts: EngineFacts) -> None:
@@ -62,6 +90,25 @@ def check_engine(policy: KVPolicyConfig, facts: EngineFacts) -> None:
     check_budget(policy.budget, policy.slack, facts.max_model_len)
     check_granularity(policy.granularity, facts.uses_mrope, facts.model)
     check_frame_lengths(policy.policy, facts.uses_mrope, facts.model)
+    check_engine_settings(policy.policy, facts.ubatching, facts.runner_v2)
+
+
+def check_engine_settings(policy: str, ubatching: str | None, runner_v2: str | None) -> None:
+    """Refuse engine settings whose code paths the plugin does not hook, naming the flag.
+
+    Micro-batching renumbers each micro-batch's rows and builds the second one's attention metadata through
+    ``update_block_table``, past the hook that hides evicted blocks: compressed rows would read null blocks. Model
+    Runner V2 has none of the worker hooks: the scheduler would free compressed blocks that no worker compacts.
+    """
+    if ubatching is not None:
+        raise KVPolicyConfigError(
+            f"--kv-policy {policy} does not support micro-batching ({ubatching}): each micro-batch's attention "
+            f"metadata bypasses the view that hides evicted blocks. Remove {ubatching.split()[0]}, or serve with "
+            f"--kv-policy none")
+    if runner_v2 is not None:
+        raise KVPolicyConfigError(
+            f"--kv-policy {policy} needs vLLM's V1 model runner, but Model Runner V2 would be built: {runner_v2}. "
+            f"Remove that setting (and VLLM_USE_V2_MODEL_RUNNER=1), or serve with --kv-policy none")
 
 
 def check_attention(policy: str, model: str, sliding_window: int | None, hybrid: bool,
