@@ -38,6 +38,12 @@ STARTUP: tuple[Entry, ...] = (
           why="the start-up check asks the pool to hold one max-model-len request; a request under the policy "
               "holds at most its bounded footprint (max_text_tokens of text + its bounded candidates), so ask "
               "for that instead and let a stream's logical length exceed the pool"),
+    Patch("vllm.v1.core.kv_cache_utils:_check_enough_kv_cache_memory",
+          ("available_memory", "get_needed_memory", "max_model_len", "estimate_max_model_len"),
+          core.make_check_enough_kv_cache_memory,
+          why="when the pool cannot hold one request, vLLM's message names the model's max seq len and "
+              "advises decreasing max_model_len; under a policy the footprint decides, so name its parts "
+              "(max_text_tokens, budget, slack) and how to shrink each"),
     Call("vllm.v1.core.kv_cache_utils:_pool_bytes_per_block", ("vllm_config", "kv_cache_groups"),
          why="bytes of one block across the KV cache groups, for the bounded-footprint start-up rule"),
 )

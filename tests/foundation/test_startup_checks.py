@@ -170,3 +170,21 @@ def test_runner_v2_reason_follows_vllms_own_rule(tiny_model, monkeypatch):
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")  # the rule is read when the workers are built
     assert config.use_v2_model_runner
     assert runner_v2_reason(config) == "VLLM_USE_V2_MODEL_RUNNER selects it"
+
+
+def test_a_pool_smaller_than_one_footprint_names_the_footprints_parts(tiny_model):
+    """The case a new user hits: a long max-model-len, a small pool and the default max_text_tokens (8192)."""
+    mib = 1 << 20
+    with pytest.raises(ValueError) as info:
+        make_llm(tiny_model, max_model_len=16384, kv_cache_memory_bytes=8 * mib,
+                 **kv_policy_args("cords", budget=512))
+    message = str(info.value)
+    for needle in ("bounded footprint", "max_text_tokens=8192", "budget=512", "slack=", "--kv-cache-memory-bytes"):
+        assert needle in message, (needle, message)
+    assert "decreasing `max_model_len`" not in message
+    # the footprint fits once max_text_tokens is lowered: the engine starts
+    make_llm(tiny_model, max_model_len=16384, kv_cache_memory_bytes=8 * mib,
+             **kv_policy_args("cords", budget=512, max_text_tokens=1024))
+    # without a policy vLLM's own message stands
+    with pytest.raises(ValueError, match="max_model_len"):
+        make_llm(tiny_model, max_model_len=16384, kv_cache_memory_bytes=1 * mib)

@@ -126,6 +126,46 @@ def make_max_memory_usage(original: Callable) -> Callable:
     return _max_memory_usage_bytes_from_groups
 
 
+def make_check_enough_kv_cache_memory(original: Callable) -> Callable:
+    def _check_enough_kv_cache_memory(available_memory, get_needed_memory, max_model_len, estimate_max_model_len):
+        try:
+            return original(available_memory, get_needed_memory, max_model_len, estimate_max_model_len)
+        except ValueError as exc:
+            policy_bound = _policy_bound(get_needed_memory)
+            if policy_bound is None or available_memory <= 0:
+                raise
+            raise ValueError(footprint_message(*policy_bound, available_memory, get_needed_memory())) from exc
+    return _check_enough_kv_cache_memory
+
+
+def _policy_bound(get_needed_memory: Any) -> tuple[KVPolicyConfig, int, int] | None:
+    """``(policy, max_model_len, block_size)`` when the start-up check sizes a request by the policy's footprint:
+    vLLM passes ``partial(_max_memory_usage_bytes_from_groups, vllm_config, groups)``."""
+    args = getattr(get_needed_memory, "args", ())
+    if len(args) != 2 or not hasattr(args[0], "model_config") or not args[1]:
+        return None
+    policy = policy_of(args[0])
+    if policy is None:
+        return None
+    return policy, args[0].model_config.max_model_len, min(g.kv_cache_spec.block_size for g in args[1])
+
+
+def footprint_message(policy: KVPolicyConfig, max_model_len: int, block_size: int, available: int,
+                      needed: int) -> str:
+    """Why one request's bounded footprint does not fit the KV cache, with the plugin's knobs that shrink it."""
+    text = policy.text_limit(max_model_len)
+    settings = policy.budget_settings
+    blocks = policy.stream_footprint_blocks(max_model_len, block_size)
+    gib = 1 << 30
+    return (f"--kv-policy {policy.policy}: one request's bounded footprint does not fit the KV cache: {blocks} blocks "
+            f"of {block_size} tokens ({needed / gib:.3f} GiB; text max_text_tokens={text} + budget="
+            f"{settings.budget} + slack={settings.slack} + 2 blocks) against {available / gib:.3f} GiB available. "
+            f"Lower kv_policy_config 'max_text_tokens' (the protected text one request may hold; default "
+            f"min(max-model-len, 8192)), 'budget' or 'slack' in --kv-policy-config, or give the KV cache more "
+            f"memory (--gpu-memory-utilization, --kv-cache-memory-bytes). --max-model-len does not change the "
+            f"footprint beyond capping max_text_tokens.")
+
+
 def make_update_request_as_session(original: Callable) -> Callable:
     def _update_request_as_session(self, session, update):
         comp = scheduler_hooks(self).compressor
