@@ -153,11 +153,20 @@ def select_positions(setup: SelectionSetup, keys: torch.Tensor, values: torch.Te
     return positions.reshape(a, h, -1) if setup.per_head else positions[:, None, :].expand(a, h, -1)
 
 
+def finite_features(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with NaN and +-inf read as 0 (a copy; the cache is never written), so selection never fails on them."""
+    return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+
+
 @torch.inference_mode()
 def compress_region(caches: Sequence[torch.Tensor], accessors: Sequence[KVAccessor],
                     held: Sequence[HeldTokens | None], batch: RegionBatch, setup: SelectionSetup,
-                    generator: torch.Generator | None = None) -> list[HeldTokens]:
+                    generator: torch.Generator | None = None, nonfinite: torch.Tensor | None = None
+                    ) -> list[HeldTokens]:
     """Compact one request's region in every layer; returns the tokens each layer now holds there.
+
+    Non-finite keys or values (an overflowed or corrupted cache entry) never stop a compression: selection reads
+    them as 0 (such a token is scored like an all-zero one), and the entries are copied as they are.
 
     Parameters
     ----------
@@ -168,6 +177,9 @@ def compress_region(caches: Sequence[torch.Tensor], accessors: Sequence[KVAccess
         compression, or ``None`` before the first one.
     batch, setup:
         This compression (:class:`RegionBatch`) and the model's selection setup.
+    nonfinite:
+        Optional ``long []`` counter on the caches' device, raised by one when the anchors' keys or values held
+        NaN or inf (no host read: the caller reads it when it publishes).
 
     Returns
     -------
@@ -180,6 +192,9 @@ def compress_region(caches: Sequence[torch.Tensor], accessors: Sequence[KVAccess
     read = {a: accessors[a].read(caches[a], batch.src_slots) for a in anchors}  # [T, H, D] each
     keys = torch.stack([read[a][0].transpose(0, 1) for a in anchors])
     values = torch.stack([read[a][1].transpose(0, 1) for a in anchors])
+    if nonfinite is not None:
+        nonfinite += ~(torch.isfinite(keys).all() & torch.isfinite(values).all())
+    keys, values = finite_features(keys), finite_features(values)
     anchor_tokens = [tokens[a] for a in anchors]
     stacked = HeldTokens(torch.stack([t.ids for t in anchor_tokens]),
                          torch.stack([t.candidates for t in anchor_tokens]),

@@ -50,6 +50,8 @@ COUNTERS: dict[str, str] = {
     "evicted_tokens": "Candidate (video and image) tokens evicted from paged KV caches by the KV policy",
     "kept_tokens": "Candidate tokens kept by KV policy compressions",
     "selection_seconds": "Seconds spent selecting which tokens to keep",
+    "nonfinite_compressions": "KV policy compressions whose anchor keys or values held NaN or inf (selection read "
+                              "them as 0; the entries were kept or evicted as chosen, never rewritten)",
 }
 #: High-water marks: only ever raised (:meth:`Publisher.raise_to`); readers take the largest over publishers.
 PEAKS: dict[str, str] = {

@@ -132,3 +132,32 @@ def test_the_step_glue_runs_on_the_meta_device():
     batch = _batch(blocks, labels, spans, n_cand, 5, "token")
     held = compress_region(caches, [PagedAccessor.of(caches[0], D)] * LAYERS, [None] * LAYERS, batch, setup)
     assert all(h.ids.device.type == "meta" and h.ids.shape == (HEADS, 5 * BS) for h in held)
+
+
+@pytest.mark.parametrize("policy", ["cords", "infinipot_v", "recency"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_kv_is_read_as_zero_copied_as_is_and_counted(policy, bad):
+    """An overflowed or corrupted entry never stops a compression: selection reads it as 0 (the same choice as a
+    cache holding 0 there), the entries are copied as they are, and a device counter (no host read) counts it."""
+    setup = SelectionSetup(get_selector(policy), "token", False, (0, 0, 2, 2))
+    caches, blocks, labels, spans, n_cand, _ = _request()
+    zeroed = [c.clone() for c in caches]
+    slot = int(slots_of(blocks, BS)[TEXT + 30])  # a video token
+    for layer in (0, 2):  # the anchors
+        caches[layer].view(-1, HEADS, 2 * D)[slot, 1, 3] = bad
+        zeroed[layer].view(-1, HEADS, 2 * D)[slot, 1, 3] = 0.0
+    accessor = PagedAccessor.of(caches[0], D)
+    batch = _batch(blocks, labels, spans, n_cand, 5, "token")
+    counter = torch.zeros((), dtype=torch.long)
+    with DeviceAudit() as audit:
+        held = compress_region(caches, [accessor] * LAYERS, [None] * LAYERS, batch, setup, nonfinite=counter)
+    reference = compress_region(zeroed, [accessor] * LAYERS, [None] * LAYERS, batch, setup)
+    assert all(torch.equal(a.ids, b.ids) for a, b in zip(held, reference, strict=True))
+    assert int(counter) == 1
+    assert not any("/compress/step.py" in site for site in audit.syncs)  # counted without a host read
+    kept = held[0].ids[0].tolist()
+    if TEXT + 30 in kept:  # the entry itself was copied unchanged
+        row = caches[0].view(-1, HEADS, 2 * D)[int(slots_of(blocks, BS)[kept.index(TEXT + 30)]), 1, 3]
+        assert torch.equal(row, torch.tensor(bad)) or (row.isnan() and bad != bad)
+    compress_region(zeroed, [accessor] * LAYERS, [None] * LAYERS, batch, setup, nonfinite=counter)
+    assert int(counter) == 1  # a finite cache does not count

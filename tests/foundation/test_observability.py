@@ -38,7 +38,8 @@ def test_add_does_no_file_io_and_flush_publishes(metrics_dir, monkeypatch):
     assert list(metrics_dir.iterdir()) == []
     sink.flush()
     assert read_totals(metrics_dir) == {"compressions": 100, "evicted_tokens": 1000, "kept_tokens": 400,
-                                        "selection_seconds": 50, "request_kv_blocks_peak": 0}
+                                        "selection_seconds": 50, "nonfinite_compressions": 0,
+                                        "request_kv_blocks_peak": 0}
     with pytest.raises(KeyError, match="bogus"):
         sink.add(bogus=1)
     with pytest.raises(KeyError, match="request_kv_blocks_peak"):
@@ -71,7 +72,8 @@ def test_changes_are_published_within_the_interval(metrics_dir):
         assert time.monotonic() < deadline, "counters were not published"
         time.sleep(0.02)
     assert read_totals(metrics_dir) == {"compressions": 2, "evicted_tokens": 0, "kept_tokens": 0,
-                                        "selection_seconds": 0.25, "request_kv_blocks_peak": 0}
+                                        "selection_seconds": 0.25, "nonfinite_compressions": 0,
+                                        "request_kv_blocks_peak": 0}
     assert sorted(p.suffix for p in metrics_dir.iterdir()) == [".json", ".json"]
 
 

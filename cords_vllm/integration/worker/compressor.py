@@ -46,7 +46,7 @@ from cords_vllm.compress.transfer import upload
 from cords_vllm.config import KVPolicyConfig
 from cords_vllm.integration.engine_facts import model_facts_of, single_kv_cache_group
 from cords_vllm.integration.plans import plans_of
-from cords_vllm.integration.published import Publisher
+from cords_vllm.integration.published import PUBLISH_INTERVAL_S, Publisher
 from cords_vllm.integration.worker.cpu_layout import accessor_for_layer
 from cords_vllm.integration.worker.tracker import WorkerRequest
 from cords_vllm.selection import get_selector
@@ -135,6 +135,11 @@ class WorkerCompressor:
         self.trace = os.environ.get(TRACE_ENV) == "1"
         self.publisher = Publisher("worker")
         self.selection_threads = int(os.environ.get(SELECTION_THREADS_ENV, "1"))
+        #: Compressions that met non-finite keys or values (on the device: read only when published).
+        self.nonfinite = torch.zeros((), dtype=torch.long, device=self.device)
+        self._nonfinite_published = 0
+        self._nonfinite_read_at = 0.0
+        self._unread_compressions = 0
         self._probe_layouts()
 
     @staticmethod
@@ -182,6 +187,7 @@ class WorkerCompressor:
             with intra_op_threads(self.selection_threads):
                 for plan in plans:
                     self._apply(runner, plan)
+        self._publish_nonfinite()
 
     def holes(self, input_batch: Any) -> list[RowHoles]:
         """The compressed rows of the persistent batch (host data only; empty when none is compressed)."""
@@ -190,6 +196,20 @@ class WorkerCompressor:
         index = input_batch.req_id_to_index
         return [RowHoles(row, *tracker.holes) for req_id, tracker in self.requests.items()
                 if tracker.holes[0] < tracker.holes[1] and (row := index.get(req_id)) is not None]
+
+    def _publish_nonfinite(self) -> None:
+        """Publish the non-finite counter after a step that follows compressions: one host read per publication
+        interval at most, never one per compression."""
+        now = time.monotonic()
+        if not self._unread_compressions or now - self._nonfinite_read_at < PUBLISH_INTERVAL_S:
+            return
+        self._nonfinite_read_at, self._unread_compressions = now, 0
+        count = int(self.nonfinite)
+        if count > self._nonfinite_published:
+            logger.warning("cords-vllm: %d compression(s) met NaN or inf keys/values; selection read them as 0",
+                           count - self._nonfinite_published)
+            self.publisher.add(nonfinite_compressions=count - self._nonfinite_published)
+            self._nonfinite_published = count
 
     def snapshot(self) -> WorkerSnapshot:
         t = self.totals
@@ -252,7 +272,8 @@ class WorkerCompressor:
             tracker = self.requests[plan.req_id] = WorkerRequest(held=[None] * len(self.caches))
         t0 = time.perf_counter()
         batch = self._region_batch(plan, tracker, self._labels(runner, plan, tracker))
-        tracker.held = compress_region(self.caches, self.accessors, tracker.held, batch, self.setup)
+        tracker.held = compress_region(self.caches, self.accessors, tracker.held, batch, self.setup,
+                                       nonfinite=self.nonfinite)
         seconds = time.perf_counter() - t0
         tracker.holes = (plan.num_keep // plan.block_size, plan.region_blocks)
         tracker.compressions += 1
@@ -260,6 +281,7 @@ class WorkerCompressor:
         self.totals.compressions += 1
         self.totals.selection_seconds += seconds
         self.publisher.add(selection_seconds=seconds)
+        self._unread_compressions += 1
         at = runner.requests[plan.req_id].num_computed_tokens
         logger.debug("cords-vllm: compressed %s at token %d: region %d blocks, kept %d of %d tokens (%d candidates), "
                      "%.1f ms", plan.req_id, at, plan.region_blocks, plan.num_keep, plan.num_held,
