@@ -44,17 +44,22 @@ def gather_index(holes: Sequence[RowHoles], width: int) -> np.ndarray:
     return index
 
 
-def compact_rows(block_table: torch.Tensor, seq_lens: torch.Tensor, holes: Sequence[RowHoles], block_size: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def compact_rows(block_table: torch.Tensor, seq_lens: torch.Tensor, holes: Sequence[RowHoles], block_size: int,
+                 width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Clones of ``block_table`` (``int [R, W]``) and ``seq_lens`` (``int [R]``) with the holes compacted.
 
-    Each row of ``holes`` gets its null entries moved to the end (order of the others kept) and its
-    ``seq_len`` reduced by ``block_size * num_null``; other rows are copied unchanged.
+    Each row of ``holes`` gets its null entries moved behind its first ``width`` entries' used part (order of
+    the others kept) and its ``seq_len`` reduced by ``block_size * num_null``; other rows are copied unchanged.
+    ``width`` (default ``W``) must cover every compressed row's logical entries, ``cdiv(seq_len, block_size)``:
+    entries past it are never read, so the gather's cost follows the compressed rows' lengths, not ``W``
+    (which vLLM sizes by ``--max-model-len``).
     """
-    rows, index, delta = upload([np.array([h.row for h in holes]), gather_index(holes, block_table.shape[1]),
+    full = block_table.shape[1]
+    width = full if width is None else min(full, max(width, max(h.region for h in holes)))
+    rows, index, delta = upload([np.array([h.row for h in holes]), gather_index(holes, width),
                                  np.array([h.num_null * block_size for h in holes])], block_table.device)
     table = block_table.clone()
-    table[rows] = torch.gather(block_table[rows], 1, index.to(torch.long))
+    table[rows, :width] = torch.gather(block_table[rows, :width], 1, index.to(torch.long))
     lens = seq_lens.clone()
     lens[rows] = seq_lens[rows] - delta.to(seq_lens.dtype)
     return table, lens

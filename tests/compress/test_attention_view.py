@@ -78,3 +78,27 @@ def test_physical_view_keeps_every_other_field(num_reqs):
     common = _Common(table, seq_lens, num_reqs=num_reqs, max_seq_len=47, seq_lens_cpu_upper_bound=None)
     view = physical_view(common, holes, BS)
     assert view.max_seq_len == 47 and view.num_reqs == num_reqs  # max_seq_len stays a valid upper bound
+
+
+def test_the_gather_covers_the_compressed_rows_not_the_whole_width():
+    """vLLM sizes the block table by --max-model-len: the view touches only the compressed rows' used entries."""
+    table, seq_lens, holes = _rows()
+    wide = torch.cat([table, torch.arange(1, 5 * 1000 + 1, dtype=torch.int32).view(5, 1000)], 1)  # a long W
+    used = max(cdiv(int(seq_lens[h.row]), BS) for h in holes)
+    narrow_table, narrow_lens = compact_rows(wide, seq_lens, holes, BS, width=used)
+    full_table, full_lens = compact_rows(wide, seq_lens, holes, BS)
+    assert torch.equal(narrow_lens, full_lens)
+    for h in holes:  # the entries a kernel reads are the same
+        n = cdiv(int(narrow_lens[h.row]), BS)
+        assert narrow_table[h.row, :n].tolist() == full_table[h.row, :n].tolist()
+        assert 0 not in narrow_table[h.row, :n].tolist()
+    assert torch.equal(narrow_table[:, used:], wide[:, used:])  # nothing past the used entries was touched
+    calls = []
+    original = torch.gather
+    try:
+        torch.gather = lambda t, dim, index: calls.append(tuple(index.shape)) or original(t, dim, index)
+        common = _Common(wide, seq_lens, num_reqs=5, max_seq_len=47, seq_lens_cpu_upper_bound=seq_lens.clone())
+        physical_view(common, holes, BS)
+    finally:
+        torch.gather = original
+    assert calls == [(len(holes), used)]  # from the host's upper bound, not the table's width

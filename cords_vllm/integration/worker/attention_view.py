@@ -9,18 +9,24 @@ from typing import Any
 import torch
 
 from cords_vllm.compress.attention_view import RowHoles, compact_rows
+from cords_vllm.utils import cdiv
 
 
 def physical_view(common: Any, holes: Sequence[RowHoles], block_size: int) -> Any:
     """``CommonAttentionMetadata`` with the rows of ``holes`` compacted (``common`` itself if there are none).
 
     Only host data is read: ``holes`` (from the worker's plans) and ``seq_lens_cpu_upper_bound``, a CPU
-    tensor. ``max_seq_len`` stays the logical maximum, an upper bound as vLLM documents it.
+    tensor, which also bounds the entries the gather touches (its cost is independent of ``--max-model-len``).
+    ``max_seq_len`` stays the logical maximum, an upper bound as vLLM documents it.
     """
     holes = [h for h in holes if h.row < common.num_reqs]
     if not holes:
         return common
-    table, seq_lens = compact_rows(common.block_table_tensor, common.seq_lens, holes, block_size)
+    upper = getattr(common, "seq_lens_cpu_upper_bound", None)
+    width = None  # without the host's upper bound, the whole row (its width follows --max-model-len)
+    if upper is not None:
+        width = cdiv(int(upper[[h.row for h in holes]].max()), block_size)  # a CPU tensor: no device read
+    table, seq_lens = compact_rows(common.block_table_tensor, common.seq_lens, holes, block_size, width)
     changes: dict[str, Any] = {
         "block_table_tensor": table,
         "seq_lens": seq_lens,
@@ -28,7 +34,6 @@ def physical_view(common: Any, holes: Sequence[RowHoles], block_size: int) -> An
         "_num_computed_tokens_cache": None,
         "_token_to_req_indices_cache": None,
     }
-    upper = getattr(common, "seq_lens_cpu_upper_bound", None)
     if upper is not None:
         upper = upper.clone()
         rows = torch.tensor([h.row for h in holes])
