@@ -1,8 +1,11 @@
 """Read and write whole tokens of one layer's paged KV cache, whatever the backend's packing (pure torch).
 
 A *slot* is ``block_id * block_size + offset``. An accessor's ``read(cache, slots)`` returns the keys and
-values of ``slots`` as two ``[T, H, D]`` tensors; ``write(cache, slots, keys, values)`` stores ``[T, H, D]``
-keys/values there. ``slots`` must live on the cache's device; nothing here reads a tensor back to the host.
+values of ``slots`` as two ``[T, H, D]`` tensors *as stored* (the cache's dtype: ``uint8`` for an fp8 cache);
+``write(cache, slots, keys, values)`` stores such ``[T, H, D]`` entries there, element for element. Moving kept
+tokens is therefore exact for every KV dtype (no re-quantisation, scales untouched); what the elements mean is
+:mod:`~cords_vllm.compress.kv_codec`'s business. ``slots`` must live on the cache's device; nothing here reads a
+tensor back to the host.
 
 * :class:`PagedAccessor`: vLLM 0.32's GPU backends, FlashAttention, FlashInfer and Triton attention, all
   hand a layer a *logical* ``[num_blocks, H, block_size, 2 * D]`` view (keys in the first ``D`` channels,
@@ -13,20 +16,16 @@ keys/values there. ``slots`` must live on the cache's device; nothing here reads
   addresses the same elements for every stride order.
 * :class:`CPUTileAccessor`: vLLM's CPU attention packs ``[num_blocks, H, block_size, 2 * D]`` as a K tile
   and a V tile per (block, head) whose element order depends on the ISA. The tile permutations are learnt
-  once through the backend's own op (``cords_vllm.integration.worker.cpu_layout``) and injected here, together with
-  the backend's write op, so writes are exact by construction.
+  once through the backend's own write op, in the layer's own KV dtype
+  (``cords_vllm.integration.worker.cpu_layout``), and injected here; reads and writes index the tiles with them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-
-#: ``write(keys, values, k_tiles, v_tiles, slots)`` with ``[T, H, D]`` keys/values in the cache dtype.
-TileWriter = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
 class KVAccessor(Protocol):
@@ -37,12 +36,13 @@ class KVAccessor(Protocol):
     head_size: int
 
     def read(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of ``slots`` (``long [T]`` on the cache's device): two ``[T, H, D]`` copies."""
+        """Stored keys and values of ``slots`` (``long [T]`` on the cache's device): two ``[T, H, D]`` copies in
+        the cache's dtype."""
         ...
 
     def write(self, kv_cache: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
               ) -> None:
-        """Store ``[T, H, D]`` keys/values at ``slots``."""
+        """Store ``[T, H, D]`` keys/values, in the cache's dtype, at ``slots``."""
         ...
 
 
@@ -74,8 +74,7 @@ class PagedAccessor:
 
     def write(self, kv_cache: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
               ) -> None:
-        kv_cache[slots // self.block_size, :, slots % self.block_size] = torch.cat([keys, values], dim=-1).to(
-            kv_cache.dtype)
+        kv_cache[slots // self.block_size, :, slots % self.block_size] = torch.cat([keys, values], dim=-1)
 
 
 @dataclass(frozen=True)
@@ -83,7 +82,7 @@ class CPUTileAccessor:
     """vLLM's CPU attention: per (block, head) a K tile then a V tile, each permuted as the ISA packs it.
 
     ``k_perm`` / ``v_perm``: ``long [bs, D]`` on the cache's device; element ``(t, d)`` of a block's keys for
-    one head lives at ``tile.reshape(-1)[k_perm[t, d]]``. ``writer``: the backend's own write op.
+    one head lives at ``tile.reshape(-1)[k_perm[t, d]]``.
     """
 
     block_size: int
@@ -91,28 +90,26 @@ class CPUTileAccessor:
     head_size: int
     k_perm: torch.Tensor
     v_perm: torch.Tensor
-    writer: TileWriter
 
-    def _tiles(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        n, h, bs, d = kv_cache.shape[0], self.num_kv_heads, self.block_size, self.head_size
-        k_tiles, v_tiles = kv_cache.view(n, h, 2 * bs, d).chunk(2, dim=2)
-        return k_tiles, v_tiles
-
-    def read(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _offsets(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat offsets ``long [T, H, D]`` of the keys and of the values of ``slots`` in ``kv_cache``."""
         if not kv_cache.is_contiguous():
             raise ValueError("the CPU KV cache tensor of a layer must be contiguous")
         h, bs, d = self.num_kv_heads, self.block_size, self.head_size
-        flat = kv_cache.reshape(-1)
         block, offset = slots // bs, slots % bs
         # (block, head) tile pair starts at ((block * H) + head) * 2*bs*D; the V tile is bs*D after the K tile
         heads = torch.arange(h, device=slots.device)
         base = ((block[:, None] * h + heads[None, :]) * (2 * bs * d))[:, :, None]  # [T, H, 1]
-        keys = flat[base + self.k_perm[offset][:, None, :]]
-        values = flat[base + bs * d + self.v_perm[offset][:, None, :]]
-        return keys, values
+        return base + self.k_perm[offset][:, None, :], base + bs * d + self.v_perm[offset][:, None, :]
+
+    def read(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        flat = kv_cache.reshape(-1)
+        k_at, v_at = self._offsets(kv_cache, slots)
+        return flat[k_at], flat[v_at]
 
     def write(self, kv_cache: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
               ) -> None:
-        k_tiles, v_tiles = self._tiles(kv_cache)
-        self.writer(keys.to(kv_cache.dtype).contiguous(), values.to(kv_cache.dtype).contiguous(), k_tiles,
-                    v_tiles, slots)
+        flat = kv_cache.view(-1)
+        k_at, v_at = self._offsets(kv_cache, slots)
+        flat[k_at] = keys
+        flat[v_at] = values

@@ -9,11 +9,12 @@ drive it:
    its id, whether it is a candidate (video) and its frame label (:class:`HeldTokens`). The previously kept
    ones carry theirs from the compression that kept them, so the step never looks at the request's history
    (a re-based stream has none left).
-2. Anchor layers read those tokens (:class:`~cords_vllm.compress.kv_access.KVAccessor`) and run
+2. Anchor layers read those tokens (:class:`~cords_vllm.compress.kv_access.KVAccessor`), decode them
+   (:class:`~cords_vllm.compress.kv_codec.KVCodec`: an fp8 cache with its scales) and run
    :func:`~cords_vllm.selection.exact.select_exact` on their candidates (the rest is protected).
-3. Every layer copies the tokens at its anchor's positions into the first ``num_keep / block_size`` source
-   blocks, in logical order. A layer's sources are read in full before it is written, so kept blocks may
-   overlap sources.
+3. Every layer copies the tokens at its anchor's positions, as stored (raw elements: no re-quantisation), into
+   the first ``num_keep / block_size`` source blocks, in logical order. A layer's sources are read in full
+   before it is written, so kept blocks may overlap sources.
 
 Everything lives on the caches' device; the host supplies only the plan's integers (in
 :class:`RegionBatch`), so the step itself never reads a tensor back to the host. (The selectors may: their
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from cords_vllm.compress.kv_access import KVAccessor
+from cords_vllm.compress.kv_codec import KVCodec, PlainCodec
 from cords_vllm.selection.base import Selector
 from cords_vllm.selection.exact import select_exact
 
@@ -161,8 +163,8 @@ def finite_features(x: torch.Tensor) -> torch.Tensor:
 @torch.inference_mode()
 def compress_region(caches: Sequence[torch.Tensor], accessors: Sequence[KVAccessor],
                     held: Sequence[HeldTokens | None], batch: RegionBatch, setup: SelectionSetup,
-                    generator: torch.Generator | None = None, nonfinite: torch.Tensor | None = None
-                    ) -> list[HeldTokens]:
+                    generator: torch.Generator | None = None, nonfinite: torch.Tensor | None = None,
+                    codecs: Sequence[KVCodec] | None = None) -> list[HeldTokens]:
     """Compact one request's region in every layer; returns the tokens each layer now holds there.
 
     Non-finite keys or values (an overflowed or corrupted cache entry) never stop a compression: selection reads
@@ -172,6 +174,9 @@ def compress_region(caches: Sequence[torch.Tensor], accessors: Sequence[KVAccess
     ----------
     caches, accessors:
         One KV cache tensor and its accessor per layer (all on one device).
+    codecs:
+        Per layer, what its stored elements mean (``None``: a floating cache, :class:`PlainCodec`); only the
+        anchors' are used.
     held:
         Per layer, the :class:`HeldTokens` (``n_prev`` per head) the region held after the previous
         compression, or ``None`` before the first one.
@@ -189,9 +194,10 @@ def compress_region(caches: Sequence[torch.Tensor], accessors: Sequence[KVAccess
     heads = accessors[0].num_kv_heads
     tokens = [region_tokens(h, batch, heads) for h in held]
     anchors = setup.anchors
-    read = {a: accessors[a].read(caches[a], batch.src_slots) for a in anchors}  # [T, H, D] each
-    keys = torch.stack([read[a][0].transpose(0, 1) for a in anchors])
-    values = torch.stack([read[a][1].transpose(0, 1) for a in anchors])
+    read = {a: accessors[a].read(caches[a], batch.src_slots) for a in anchors}  # [T, H, D] each, as stored
+    decoded = {a: (codecs[a] if codecs is not None else PlainCodec()).features(*read[a]) for a in anchors}
+    keys = torch.stack([decoded[a][0].transpose(0, 1) for a in anchors])
+    values = torch.stack([decoded[a][1].transpose(0, 1) for a in anchors])
     if nonfinite is not None:
         nonfinite += ~(torch.isfinite(keys).all() & torch.isfinite(values).all())
     keys, values = finite_features(keys), finite_features(values)

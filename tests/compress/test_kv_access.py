@@ -83,6 +83,33 @@ def test_cpu_tile_accessor_reads_the_backends_writes_and_back(isa: str, dtype: t
     assert torch.equal(accessor.read(cache, slots[:10])[0], -keys[:10])
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
+@pytest.mark.parametrize(("isa", "dtype"), [i for i in ISAS if i[1] == torch.bfloat16])
+def test_cpu_tile_accessor_reads_the_backends_fp8_writes(isa: str, dtype: torch.dtype, kv_cache_dtype: str) -> None:
+    """An fp8 cache (``uint8`` bytes): the layout is learnt in fp8 and the codec reads the backend's values."""
+    from vllm import _custom_ops as ops
+
+    from cords_vllm.compress.kv_codec import codec_for
+
+    if not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()):
+        pytest.skip("vLLM's CPU backend stores fp8 KV only with AVX-512 or AMX")
+    blocks, heads, bs, d, scale = 4, 2, 32, 64, 0.5
+    cache = torch.zeros(blocks, heads, bs, 2 * d, dtype=torch.uint8)
+    accessor = cpu_tile_accessor(cache, isa, dtype, kv_cache_dtype)
+    exact = torch.tensor([-4.0, -1.5, -0.5, 0.5, 1.0, 3.0])  # exact in e4m3 and e5m2
+    slots = torch.randperm(blocks * bs)[:50]
+    pick = torch.randint(0, len(exact), (2, 50, heads, d))
+    keys, values = (exact[pick[0]] * scale).to(dtype), (exact[pick[1]] * scale).to(dtype)
+    k_tiles, v_tiles = cache.view(blocks, heads, 2 * bs, d).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(keys, values, k_tiles, v_tiles, slots, isa, k_scale=scale, v_scale=scale,
+                                   kv_cache_dtype=kv_cache_dtype)  # the backend's own quantising write
+    got_k, got_v = codec_for(kv_cache_dtype, scale, scale).features(*accessor.read(cache, slots))
+    assert torch.equal(got_k, keys.float()) and torch.equal(got_v, values.float())
+    raw_k, raw_v = accessor.read(cache, slots[:10])
+    accessor.write(cache, slots[10:20], raw_k, raw_v)  # raw bytes move as they are
+    assert torch.equal(accessor.read(cache, slots[10:20])[0], raw_k)
+
+
 def test_cpu_layouts_really_differ_between_isas() -> None:
     if not torch.cpu._is_amx_tile_supported():
         pytest.skip("no AMX on this CPU")

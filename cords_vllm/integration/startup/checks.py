@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from cords_vllm.compress.kv_codec import UnsupportedKVCacheDtype, check_kv_cache_dtype
 from cords_vllm.config import KVPolicyConfig, KVPolicyConfigError
 from cords_vllm.integration.engine_facts import model_facts_of
 from cords_vllm.selection import selector_class
@@ -39,6 +40,8 @@ class EngineFacts:
     ubatching: str | None = None
     #: Why vLLM will build Model Runner V2 (``None``: it builds the V1 runner the plugin patches).
     runner_v2: str | None = None
+    #: ``--kv-cache-dtype``.
+    kv_cache_dtype: str = "auto"
 
     @classmethod
     def from_vllm_config(cls, vllm_config: Any) -> EngineFacts:
@@ -53,6 +56,7 @@ class EngineFacts:
             attention_free=bool(mc.is_attention_free),
             ubatching=ubatching_flag(vllm_config.parallel_config),
             runner_v2=runner_v2_reason(vllm_config),
+            kv_cache_dtype=str(getattr(vllm_config.cache_config, "cache_dtype", "auto") or "auto"),
         )
 
 
@@ -91,6 +95,16 @@ def check_engine(policy: KVPolicyConfig, facts: EngineFacts) -> None:
     check_granularity(policy.granularity, facts.uses_mrope, facts.model)
     check_frame_lengths(policy.policy, facts.uses_mrope, facts.model)
     check_engine_settings(policy.policy, facts.ubatching, facts.runner_v2)
+    check_kv_dtype(policy.policy, facts.kv_cache_dtype)
+
+
+def check_kv_dtype(policy: str, kv_cache_dtype: str) -> None:
+    """Refuse a ``--kv-cache-dtype`` whose entries the compress step cannot read and copy (quantised per token
+    and head, or packed below 8 bits): see :mod:`cords_vllm.compress.kv_codec`."""
+    try:
+        check_kv_cache_dtype(kv_cache_dtype, policy)
+    except UnsupportedKVCacheDtype as e:
+        raise KVPolicyConfigError(str(e)) from None
 
 
 def check_engine_settings(policy: str, ubatching: str | None, runner_v2: str | None) -> None:

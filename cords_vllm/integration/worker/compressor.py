@@ -40,6 +40,7 @@ import torch
 from cords_vllm.compress.attention_view import RowHoles
 from cords_vllm.compress.frames import frame_sizes
 from cords_vllm.compress.kv_access import KVAccessor, slots_of
+from cords_vllm.compress.kv_codec import KVCodec, check_kv_cache_dtype
 from cords_vllm.compress.plan import NULL_BLOCK_ID, CompressionPlan, RebasePlan
 from cords_vllm.compress.step import RegionBatch, SelectionSetup, compress_region
 from cords_vllm.compress.transfer import upload
@@ -47,7 +48,7 @@ from cords_vllm.config import KVPolicyConfig
 from cords_vllm.integration.engine_facts import model_facts_of, single_kv_cache_group
 from cords_vllm.integration.plans import plans_of
 from cords_vllm.integration.published import PUBLISH_INTERVAL_S, Publisher
-from cords_vllm.integration.worker.cpu_layout import accessor_for_layer
+from cords_vllm.integration.worker.cpu_layout import accessor_for_layer, codec_for_layer, kv_cache_dtype_of
 from cords_vllm.integration.worker.tracker import WorkerRequest
 from cords_vllm.selection import get_selector
 from cords_vllm.threads import intra_op_threads
@@ -122,8 +123,12 @@ class WorkerCompressor:
         modules = [forward_context[n] for n in names]
         self.caches = [self._cache(m) for m in modules]
         self.device = self.caches[0].device
-        self.accessors: list[KVAccessor] = [accessor_for_layer(c, m) for c, m in zip(self.caches, modules,
-                                                                                       strict=True)]
+        for module in modules:
+            check_kv_cache_dtype(kv_cache_dtype_of(module), config.policy)
+        model_dtype = runner.vllm_config.model_config.dtype
+        self.accessors: list[KVAccessor] = [accessor_for_layer(c, m, model_dtype)
+                                            for c, m in zip(self.caches, modules, strict=True)]
+        self.codecs: list[KVCodec] = [codec_for_layer(m) for m in modules]
         self.block_size = self.accessors[0].block_size
         self.setup = SelectionSetup(
             selector=get_selector(config.policy, **dict(config.params)), granularity=config.granularity,
@@ -273,7 +278,7 @@ class WorkerCompressor:
         t0 = time.perf_counter()
         batch = self._region_batch(plan, tracker, self._labels(runner, plan, tracker))
         tracker.held = compress_region(self.caches, self.accessors, tracker.held, batch, self.setup,
-                                       nonfinite=self.nonfinite)
+                                       nonfinite=self.nonfinite, codecs=self.codecs)
         seconds = time.perf_counter() - t0
         tracker.holes = (plan.num_keep // plan.block_size, plan.region_blocks)
         tracker.compressions += 1
