@@ -78,3 +78,18 @@ def test_engine_compresses_on_cuda_and_its_attention_view_never_synchronises(tin
                      max_tokens=4, engine_kwargs={"enforce_eager": False}, budget=256, slack=64)
     assert run.compressions >= 2 and calls and len(run.token_ids[0]) == 4
     assert run.free_blocks_after == run.free_blocks_before
+
+
+def test_compression_timer_reads_cuda_events_without_waiting():
+    from cords_vllm.integration.worker.timing import CompressionTimer
+
+    timer = CompressionTimer.for_device(torch.device("cuda"))
+    assert timer.on_device
+    x = torch.randn(2048, 2048, device="cuda")
+    mark = timer.start()
+    for _ in range(20):
+        x = x @ x / 2048
+    timer.stop("a", mark)
+    torch.cuda.synchronize()
+    (timing,) = timer.completed()
+    assert timing.req_id == "a" and timing.seconds > 0

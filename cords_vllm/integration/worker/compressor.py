@@ -49,6 +49,7 @@ from cords_vllm.integration.engine_facts import model_facts_of, single_kv_cache_
 from cords_vllm.integration.plans import plans_of
 from cords_vllm.integration.published import PUBLISH_INTERVAL_S, Publisher
 from cords_vllm.integration.worker.cpu_layout import accessor_for_layer, codec_for_layer, kv_cache_dtype_of
+from cords_vllm.integration.worker.timing import CompressionTimer
 from cords_vllm.integration.worker.tracker import WorkerRequest
 from cords_vllm.selection import get_selector
 from cords_vllm.threads import intra_op_threads
@@ -71,7 +72,8 @@ class CompressionEvent:
 
     ``kept_logical[l]`` is ``long [H, n]`` (host): the ids (indices in the stream, as if nothing had been
     removed from it) layer ``l`` holds right after the compression, up to ``at_token`` (the id of the first
-    token of the chunk computed next).
+    token of the chunk computed next). ``selection_seconds``: host seconds around the step (on a GPU, launch
+    time; the device time is what ``/metrics`` reports).
     """
 
     req_id: str
@@ -137,6 +139,8 @@ class WorkerCompressor:
         #: The scheduler's plans for sessions whose next turn has not reached the worker yet.
         self.turns: dict[str, RebasePlan] = {}
         self.totals = _Totals()
+        #: Device time of each compression: CUDA events on a GPU (read once complete), the host clock on CPU.
+        self.timer = CompressionTimer.for_device(self.device)
         self.trace = os.environ.get(TRACE_ENV) == "1"
         self.publisher = Publisher("worker")
         self.selection_threads = int(os.environ.get(SELECTION_THREADS_ENV, "1"))
@@ -192,7 +196,17 @@ class WorkerCompressor:
             with intra_op_threads(self.selection_threads):
                 for plan in plans:
                     self._apply(runner, plan)
+        self._record_timings()
         self._publish_nonfinite()
+
+    def _record_timings(self) -> None:
+        """Account the compressions whose time is known (on a GPU: whose end event has completed)."""
+        for timing in self.timer.completed():
+            tracker = self.requests.get(timing.req_id)
+            if tracker is not None:
+                tracker.selection_seconds += timing.seconds
+            self.totals.selection_seconds += timing.seconds
+            self.publisher.add(selection_seconds=timing.seconds)
 
     def holes(self, input_batch: Any) -> list[RowHoles]:
         """The compressed rows of the persistent batch (host data only; empty when none is compressed)."""
@@ -275,17 +289,15 @@ class WorkerCompressor:
         tracker = self.requests.get(plan.req_id)
         if tracker is None:
             tracker = self.requests[plan.req_id] = WorkerRequest(held=[None] * len(self.caches))
-        t0 = time.perf_counter()
+        t0, mark = time.perf_counter(), self.timer.start()
         batch = self._region_batch(plan, tracker, self._labels(runner, plan, tracker))
         tracker.held = compress_region(self.caches, self.accessors, tracker.held, batch, self.setup,
                                        nonfinite=self.nonfinite, codecs=self.codecs)
+        self.timer.stop(plan.req_id, mark)
         seconds = time.perf_counter() - t0
         tracker.holes = (plan.num_keep // plan.block_size, plan.region_blocks)
         tracker.compressions += 1
-        tracker.selection_seconds += seconds
         self.totals.compressions += 1
-        self.totals.selection_seconds += seconds
-        self.publisher.add(selection_seconds=seconds)
         self._unread_compressions += 1
         at = runner.requests[plan.req_id].num_computed_tokens
         logger.debug("cords-vllm: compressed %s at token %d: region %d blocks, kept %d of %d tokens (%d candidates), "

@@ -1,0 +1,82 @@
+"""How long compressions take on the device that runs them, without ever waiting for it.
+
+On a CPU the compress step runs synchronously, so the host's clock around it is its cost. On a GPU the step only
+*launches* work: ``time.perf_counter`` around it measures launch time, not what the batch waits for. There each
+compression is bracketed by two CUDA events recorded on the current stream; their elapsed time is read once the
+end event has completed (``Event.query()``, which never blocks), at the next step or publication. Nothing here
+synchronises the device.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One measured compression: the request it compressed and its device seconds."""
+
+    req_id: str
+    seconds: float
+
+
+class CompressionTimer:
+    """Times compressions: wall clock on CPU, CUDA events on CUDA (read when complete, never waited for).
+
+    ``event_factory``: makes an event with ``record()``, ``query()`` and ``elapsed_time(end) -> ms``
+    (``torch.cuda.Event(enable_timing=True)`` on CUDA); ``None``: the host clock.
+    """
+
+    def __init__(self, event_factory: Callable[[], Any] | None = None) -> None:
+        self.event_factory = event_factory
+        self._pending: deque[tuple[str, Any, Any]] = deque()
+        self._done: list[Timing] = []
+
+    @classmethod
+    def for_device(cls, device: torch.device) -> CompressionTimer:
+        """CUDA events on a CUDA device, the host clock elsewhere."""
+        if device.type == "cuda":
+            return cls(lambda: torch.cuda.Event(enable_timing=True))
+        return cls()
+
+    @property
+    def on_device(self) -> bool:
+        """Whether compressions are timed by device events (else the host clock)."""
+        return self.event_factory is not None
+
+    def start(self) -> Any:
+        """Mark a compression's start (an event recorded on the current stream, or the host clock)."""
+        if self.event_factory is None:
+            return time.perf_counter()
+        event = self.event_factory()
+        event.record()
+        return event
+
+    def stop(self, req_id: str, start: Any) -> None:
+        """Mark the end of the compression of ``req_id`` begun at ``start``."""
+        if self.event_factory is None:
+            self._done.append(Timing(req_id, time.perf_counter() - start))
+            return
+        end = self.event_factory()
+        end.record()
+        self._pending.append((req_id, start, end))
+
+    def completed(self) -> list[Timing]:
+        """Compressions measured since the last call, oldest first: on a device, those whose end event has
+        completed (events complete in stream order, so the first incomplete one ends the scan)."""
+        while self._pending and self._pending[0][2].query():
+            req_id, start, end = self._pending.popleft()
+            self._done.append(Timing(req_id, start.elapsed_time(end) / 1e3))
+        done, self._done = self._done, []
+        return done
+
+    @property
+    def pending(self) -> int:
+        """Compressions whose device time is not known yet."""
+        return len(self._pending)
