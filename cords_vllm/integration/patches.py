@@ -86,6 +86,11 @@ ENGINE_CORE: tuple[Entry, ...] = (
 
 #: Workers: the model runner and the attention metadata builders.
 WORKER: tuple[Entry, ...] = (
+    Patch("vllm.v1.worker.gpu_worker:Worker.initialize_from_config", ("self", "kv_cache_config"),
+          worker.make_initialize_from_config,
+          why="the hooks below wrap the V1 model runner only, and vLLM picks the runner per worker (settings "
+              "such as watermarking select Model Runner V2 whatever VLLM_USE_V2_MODEL_RUNNER says): refuse, before "
+              "the KV cache exists, a runner the hooks would never reach"),
     Patch("vllm.v1.worker.gpu_model_runner:GPUModelRunner._update_states", ("self", "scheduler_output"),
           worker.make_update_states,
           why="the KV connector's worker hook runs before new block ids are appended and cannot edit rows: "
@@ -103,7 +108,8 @@ WORKER: tuple[Entry, ...] = (
     Call("vllm._custom_ops:cpu_attn_reshape_and_cache",
          ("key", "value", "key_cache", "value_cache", "slot_mapping", "isa"),
          keywords=("k_scale", "v_scale", "kv_cache_dtype"),
-         why="the CPU backend's own KV write, to learn its tile layout and to write kept tokens back"),
+         why="the CPU backend's own KV write, to learn its tile layout in the layer's KV dtype (kept tokens are "
+             "then moved as stored elements)"),
 )
 
 #: API servers: the stream API's endpoint plugin and the engine calls a stream makes.

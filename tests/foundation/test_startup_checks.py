@@ -188,3 +188,30 @@ def test_a_pool_smaller_than_one_footprint_names_the_footprints_parts(tiny_model
     # without a policy vLLM's own message stands
     with pytest.raises(ValueError, match="max_model_len"):
         make_llm(tiny_model, max_model_len=16384, kv_cache_memory_bytes=1 * mib)
+
+
+def test_a_runner_the_worker_hooks_do_not_reach_is_refused_on_the_runner_built():
+    """Whatever selected it, a worker that built anything but vLLM's V1 runner (or a subclass) refuses to allocate
+    its KV cache under a policy; under ``none`` it serves."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from cords_vllm.integration.worker.hooks import check_runner, make_initialize_from_config
+
+    class OtherRunner:  # e.g. vllm.v1.worker.gpu.model_runner.GPUModelRunner (V2), which cannot start on CPU
+        pass
+
+    class V1Subclass(GPUModelRunner):  # as vLLM's CPUModelRunner
+        def __init__(self) -> None:
+            pass
+
+    cords = KVPolicyConfig.from_additional_config({"kv_policy": "cords"})
+    with pytest.raises(KVPolicyConfigError, match=r"needs vLLM's V1 model runner .* built .*OtherRunner"):
+        check_runner(OtherRunner(), cords)
+    check_runner(V1Subclass(), cords)
+    check_runner(OtherRunner(), KVPolicyConfig.from_additional_config(None))
+    calls = []
+    worker = type("Worker", (), {"model_runner": OtherRunner(),
+                                 "vllm_config": type("C", (), {"additional_config": {"kv_policy": "cords"}})()})()
+    with pytest.raises(KVPolicyConfigError):
+        make_initialize_from_config(lambda self, cfg: calls.append(cfg))(worker, "kv-cache-config")
+    assert calls == []  # refused before the KV cache is allocated

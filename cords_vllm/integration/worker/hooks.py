@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from cords_vllm.config import KVPolicyConfig
+from cords_vllm.config import KVPolicyConfig, KVPolicyConfigError
 from cords_vllm.integration.attach import Attached
 from cords_vllm.integration.worker.attention_view import physical_view
 from cords_vllm.integration.worker.compressor import WorkerCompressor
@@ -42,8 +42,33 @@ def attached_compressor(runner: Any) -> WorkerCompressor | None:
     return _RUNNER_COMPRESSOR.get(runner)
 
 
+def check_runner(runner: Any, policy: KVPolicyConfig) -> None:
+    """Refuse a model runner the worker hooks do not reach (:class:`KVPolicyConfigError`).
+
+    The hooks wrap vLLM's V1 ``GPUModelRunner`` (the CPU runner subclasses it). Any other runner (Model Runner
+    V2, an encoder-only runner, a platform's own) would never compact a row while the scheduler frees the
+    evicted blocks, so blocks would be reused under live requests. Checked on the runner the worker built, so it
+    holds whatever selected it (the start-up checks name the settings they can see).
+    """
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    if policy.enabled and not isinstance(runner, GPUModelRunner):
+        kind = f"{type(runner).__module__}.{type(runner).__qualname__}"
+        raise KVPolicyConfigError(
+            f"--kv-policy {policy.policy} needs vLLM's V1 model runner (vllm.v1.worker.gpu_model_runner."
+            f"GPUModelRunner or a subclass), but this worker built {kind}: set VLLM_USE_V2_MODEL_RUNNER=0 and remove "
+            "settings that require Model Runner V2 (watermarking, HiSparse), or serve with --kv-policy none")
+
+
 # ------------------------------------------------------------------------------------------------------
 # Wrappers (``make(original) -> wrapper``), installed by the patch table.
+def make_initialize_from_config(original: Callable) -> Callable:
+    def initialize_from_config(self, kv_cache_config):
+        check_runner(self.model_runner, KVPolicyConfig.from_vllm_config(self.vllm_config))
+        return original(self, kv_cache_config)
+    return initialize_from_config
+
+
 def make_update_states(original: Callable) -> Callable:
     def _update_states(self, scheduler_output):
         comp = worker_compressor(self)
