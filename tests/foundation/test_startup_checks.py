@@ -215,3 +215,22 @@ def test_a_runner_the_worker_hooks_do_not_reach_is_refused_on_the_runner_built()
     with pytest.raises(KVPolicyConfigError):
         make_initialize_from_config(lambda self, cfg: calls.append(cfg))(worker, "kv-cache-config")
     assert calls == []  # refused before the KV cache is allocated
+
+
+def test_kv_connectors_and_context_parallelism_are_refused_naming_the_flag(tiny_model):
+    """Read off the VllmConfig vLLM builds (a KV offloading size becomes a connector there)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from cords_vllm.integration.startup.checks import unhooked_settings
+
+    assert unhooked_settings(EngineArgs(model=tiny_model, max_model_len=4096).create_engine_config()) == ()
+    config = EngineArgs(model=tiny_model, max_model_len=4096, kv_offloading_size=1.0).create_engine_config()
+    (flag, _), = unhooked_settings(config)
+    assert flag.startswith("--kv-transfer-config")
+    with pytest.raises(KVPolicyConfigError, match=r"does not support --kv-transfer-config .*Remove --kv-transfer"):
+        check_engine(KVPolicyConfig.parse("cords", {"budget": 256}),
+                     EngineFacts("m", 4, 4096, True, unhooked=unhooked_settings(config)))
+    check_engine(KVPolicyConfig.parse("none", None), EngineFacts("m", 4, 4096, True, unhooked=(("--x", "y"),)))
+    cp = type("C", (), {"kv_transfer_config": None,
+                        "parallel_config": type("P", (), {"decode_context_parallel_size": 2})()})()
+    assert unhooked_settings(cp)[0][0] == "--decode-context-parallel-size 2"

@@ -42,6 +42,8 @@ class EngineFacts:
     runner_v2: str | None = None
     #: ``--kv-cache-dtype``.
     kv_cache_dtype: str = "auto"
+    #: Other settings whose code paths the plugin does not hook: ``(flag, why)`` each.
+    unhooked: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def from_vllm_config(cls, vllm_config: Any) -> EngineFacts:
@@ -57,6 +59,7 @@ class EngineFacts:
             ubatching=ubatching_flag(vllm_config.parallel_config),
             runner_v2=runner_v2_reason(vllm_config),
             kv_cache_dtype=str(getattr(vllm_config.cache_config, "cache_dtype", "auto") or "auto"),
+            unhooked=unhooked_settings(vllm_config),
         )
 
 
@@ -67,6 +70,24 @@ def ubatching_flag(parallel_config: Any) -> str | None:
     if int(getattr(parallel_config, "ubatch_size", 0) or 0) > 1:
         return f"--ubatch-size {parallel_config.ubatch_size}"
     return None
+
+
+def unhooked_settings(vllm_config: Any) -> tuple[tuple[str, str], ...]:
+    """Settings (besides micro-batching and the runner) whose code paths move or split a request's KV where the
+    plugin's compaction cannot follow, each as ``(flag, why)``."""
+    out = []
+    if getattr(vllm_config, "kv_transfer_config", None) is not None:
+        out.append(("--kv-transfer-config (or --kv-offloading-size)",
+                    "a KV connector saves, loads or sends a request's blocks by their logical position, and a "
+                    "compressed row's blocks hold other tokens"))
+    parallel = vllm_config.parallel_config
+    for name, flag in (("decode_context_parallel_size", "--decode-context-parallel-size"),
+                       ("prefill_context_parallel_size", "--prefill-context-parallel-size")):
+        size = int(getattr(parallel, name, 1) or 1)
+        if size > 1:
+            out.append((f"{flag} {size}", "context parallelism interleaves a request's tokens across ranks, and "
+                                          "selection reads and compacts whole rows on one rank"))
+    return tuple(out)
 
 
 def runner_v2_reason(vllm_config: Any) -> str | None:
@@ -94,7 +115,7 @@ def check_engine(policy: KVPolicyConfig, facts: EngineFacts) -> None:
     check_budget(policy.budget, policy.slack, facts.max_model_len)
     check_granularity(policy.granularity, facts.uses_mrope, facts.model)
     check_frame_lengths(policy.policy, facts.uses_mrope, facts.model)
-    check_engine_settings(policy.policy, facts.ubatching, facts.runner_v2)
+    check_engine_settings(policy.policy, facts.ubatching, facts.runner_v2, facts.unhooked)
     check_kv_dtype(policy.policy, facts.kv_cache_dtype)
 
 
@@ -107,7 +128,8 @@ def check_kv_dtype(policy: str, kv_cache_dtype: str) -> None:
         raise KVPolicyConfigError(str(e)) from None
 
 
-def check_engine_settings(policy: str, ubatching: str | None, runner_v2: str | None) -> None:
+def check_engine_settings(policy: str, ubatching: str | None, runner_v2: str | None,
+                          unhooked: tuple[tuple[str, str], ...] = ()) -> None:
     """Refuse engine settings whose code paths the plugin does not hook, naming the flag.
 
     Micro-batching renumbers each micro-batch's rows and builds the second one's attention metadata through
@@ -123,6 +145,9 @@ def check_engine_settings(policy: str, ubatching: str | None, runner_v2: str | N
         raise KVPolicyConfigError(
             f"--kv-policy {policy} needs vLLM's V1 model runner, but Model Runner V2 would be built: {runner_v2}. "
             f"Remove that setting (and VLLM_USE_V2_MODEL_RUNNER=1), or serve with --kv-policy none")
+    for flag, why in unhooked:
+        raise KVPolicyConfigError(f"--kv-policy {policy} does not support {flag}: {why}. Remove {flag.split()[0]}, "
+                                  "or serve with --kv-policy none")
 
 
 def check_attention(policy: str, model: str, sliding_window: int | None, hybrid: bool,
