@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import gc
-import itertools
 import json
 import os
 from dataclasses import dataclass
 
 import numpy as np
 import pytest
-import torch
 
 from cords_vllm.config import kv_policy_args
 from cords_vllm.integration.inprocess.introspect import record_steps, snapshot
 from cords_vllm.integration.inprocess.llm import make_llm
+from cords_vllm.lab.reference.exactness import chunks_for, evictions_of  # noqa: F401 (the tests' import)
 from cords_vllm.lab.synthetic import make_video
 
 os.environ["CORDS_VLLM_TRACE"] = "1"
@@ -87,20 +86,6 @@ def _published_peak(llm) -> float:
     publisher = scheduler_hooks(scheduler_of(llm)).publisher
     publisher.flush()
     return json.loads(publisher.path.read_text())["totals"][PEAK]
-
-
-def chunks_for(prompt_len: int, evictions: dict) -> list[int]:
-    """Prefill chunk sizes for the HF reference: a chunk starts at every position the engine compressed at.
-
-    The engine ends its chunks at compression points (and wherever a step's budget runs out); only the
-    points matter to the reference, since splitting a prefill elsewhere does not change causal attention.
-    """
-    bounds = [0, *sorted(evictions), prompt_len]
-    return [b - a for a, b in itertools.pairwise(bounds) if b > a]
-
-
-def evictions_of(events, req_prefix: str = "") -> dict[int, list[torch.Tensor]]:
-    return {e.at_token: e.kept_logical for e in events if e.req_id.startswith(req_prefix)}
 
 
 @pytest.fixture(scope="session")
