@@ -3,5 +3,6 @@
 Benchmarks' library (:mod:`~.bench`), the synthetic long-video QA task and its trained tiny model
 (:mod:`~.vqa`), inputs that need no download (:mod:`~.synthetic`), fidelity metrics of a compressed cache
 (:mod:`~.fidelity`), the HF transformers reference (:mod:`~.reference`), a real ``vllm serve`` process
-(:mod:`~.serving`) and the demos. The runtime never imports it (a guard test checks).
+(:mod:`~.serving`), the demos and the one check a GPU user runs (:mod:`~.gpu_check`). The runtime never
+imports it (a guard test checks).
 """

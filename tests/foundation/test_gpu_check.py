@@ -1,0 +1,87 @@
+"""``scripts/gpu-check.sh --cpu``: the GPU user's one check, end to end on vLLM's CPU build, and its parts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cords_vllm.lab import gpu_check
+from cords_vllm.lab.gpu_check import FAIL, PASS, SKIP, Fail, Row, Skip, first_error, format_table, timed
+
+REPO = Path(__file__).resolve().parents[2]
+
+#: Rows skipped on CPU by design; every other row must pass.
+CPU_SKIPS = {"install .[cuda,dev]", "CUDA-gated tests (pytest)"}
+#: Rows the check must have (a step silently dropped would pass otherwise).
+REQUIRED = [
+    "tiny model (bf16)",
+    *(f"{server}: {part}" for server in ("cords bf16", "none bf16", "cords bf16 + fp8 KV")
+      for part in ("serve", "video chats", "live stream", "/metrics compressions", "KV blocks returned")),
+    "answers: cords bf16 = none bf16 (videos under the budget)",
+    "HF exactness (fp32, compressed engine = HF reference)",
+]
+
+
+def check_command(out: Path) -> tuple[list[str], dict[str, str]]:
+    """The script when this Python is a venv the project set up (what ``make test`` runs), else the module."""
+    if (Path(sys.prefix) / ".cords-vllm-installed").is_file():
+        return ["bash", str(REPO / "scripts" / "gpu-check.sh"), "--cpu", "--out", str(out)], {"VENV": sys.prefix}
+    return [sys.executable, "-m", "cords_vllm.lab.gpu_check", "--cpu", "--out", str(out)], {}
+
+
+@pytest.mark.server
+def test_cpu_mode_passes_every_step_and_prints_one_table(tmp_path):
+    command, env = check_command(tmp_path)
+    proc = subprocess.run(command, cwd=REPO, env={**os.environ, **env}, capture_output=True, text=True,
+                          timeout=900, check=False)
+    summary_file = tmp_path / "summary.json"
+    assert summary_file.is_file(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads(summary_file.read_text())
+    rows = {r["step"]: r for r in summary["rows"]}
+    assert [step for step in REQUIRED if step not in rows] == []
+    wrong = {step: f"{r['result']}: {r['detail']}" for step, r in rows.items()
+             if r["result"] != (SKIP if step in CPU_SKIPS else PASS)}
+    assert wrong == {}
+    assert proc.returncode == 0 and summary["failed"] == 0
+    assert proc.stdout.count("step ") == 1 and "0 failed" in proc.stdout  # one table, on stdout
+    assert "cudagraph NONE, kv fp8" in rows["cords bf16 + fp8 KV: serve"]["detail"]
+    assert sorted(p.name for p in tmp_path.glob("serve-*.log")) == [
+        "serve-cords-bf16-fp8-kv.log", "serve-cords-bf16.log", "serve-none-bf16.log"]
+
+
+def test_a_step_that_raises_fails_alone_and_the_table_says_why():
+    def broken() -> str:
+        raise ValueError("boom")
+
+    def missing() -> str:
+        raise Skip("not here")
+
+    def wrong() -> str:
+        raise Fail("tokens differ")
+
+    rows = [timed("a", lambda: "fine"), timed("b", broken), timed("c", missing), timed("d", wrong)]
+    assert [(r.result, r.detail) for r in rows] == [(PASS, "fine"), (FAIL, "ValueError: boom"), (SKIP, "not here"),
+                                                    (FAIL, "tokens differ")]
+    table = format_table([*rows, Row("e", PASS, 1.25, "x" * 500)], width=100).splitlines()
+    assert table[0].split() == ["step", "result", "seconds", "detail"]
+    assert len(table) == 7 and all(len(line) <= 100 for line in table)
+    assert table[-1].endswith("...") and "1.2" in table[-1]
+
+
+def test_a_dead_server_is_named_by_the_first_error_of_its_log():
+    log = ("WARNING Found ulimit of 20000 and failed to automatically increase with error current limit\n"
+           "(Worker pid=1) ERROR [multiproc_executor.py:1063] NotImplementedError: \"op\" not implemented for 'Byte'\n"
+           "(EngineCore pid=2) ERROR [core.py:1512] RuntimeError: Worker failed\n")
+    assert first_error(log) == "NotImplementedError: \"op\" not implemented for 'Byte'"
+    assert first_error("just a line\nthe last line\n") == "the last line"
+
+
+def test_the_cuda_gated_tests_include_every_file_skipped_without_cuda():
+    gated = gpu_check.cuda_gated_tests()
+    assert {"tests/compress", "tests/engine/test_cuda.py", "tests/selection/test_selector_contract.py"} <= set(gated)
+    assert "tests/foundation/test_config.py" not in gated
