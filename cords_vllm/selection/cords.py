@@ -13,7 +13,17 @@ the new point ``j`` is ``d_alpha(i, j) = base_i + base_j - 2 (alpha k_i.k_j + (1
 
 Everything else is ``O(M)`` vector state: the running minimum distance ``d_alpha(i, S)``, the squared
 residuals ``||(I - P_S) k_i||^2`` / ``||(I - P_S) v_i||^2`` (or the running minimum ``1 - cos``), and
-the pool mask. Time ``O(b * M * (Dk + Dv))``, memory ``O(M * (Dk + Dv))``; no ``M x M`` matrix is formed.
+the pool (a unit out of it has ``-inf`` state). Time ``O(b * M * (Dk + Dv))``, memory ``O(M * (Dk + Dv))``;
+no ``M x M`` matrix is formed.
+
+Launches (on a GPU a step's small ops are bound by launch latency, and there is one step per kept unit): a
+step is a fixed list of ops writing into buffers made once per run (``out=`` and in-place ops, views made
+once), with no host read and no allocation but its pick: :data:`OPS_PER_GREEDY_STEP` aten ops, whatever ``M``
+(30 with the default max-cosine novelty, 22 without a bonus, i.e. k_only, v_only and ``lam = 0``; 64 and 35
+before they were fused), enforced by ``tests/compress/test_host_syncs.py``. Each element still goes through
+the same arithmetic, op for op, so the selections are bit-identical to the unfused steps; fusing further
+would change the rounding. The exact novelty, an ablation, runs more (its Gram-Schmidt step) and reads its
+saturation flag back once per step from step ``Dc`` until its residuals vanish.
 
 Numerics (documented because the brute-force reference applies the same rules):
 
@@ -48,13 +58,18 @@ from cords_vllm.selection.registry import register_selector
 
 NOVELTY_VARIANTS: tuple[str, ...] = ("max_cosine", "exact")
 
+#: Aten ops (kernel launches, roughly: no view is counted because the steps make none) per greedy step, at
+#: token and block granularity alike: ``max_cosine`` is the default CoRDS step, ``d2`` the step without a bonus
+#: (k_only, v_only, ``lam = 0``). A budget enforced by ``tests/compress/test_host_syncs.py``.
+OPS_PER_GREEDY_STEP: dict[str, int] = {"max_cosine": 30, "d2": 22}
+
 
 def snap_tolerance(dtype: torch.dtype) -> float:
     """Relative tolerance below which distances, residuals and novelties count as exactly zero."""
     return 1e-12 if dtype == torch.float64 else 1e-4
 
 
-def _first_near_max(score: torch.Tensor, out_of_pool: torch.Tensor, slack: torch.Tensor) -> torch.Tensor:
+def _first_near_max(score: torch.Tensor, out_of_pool: torch.Tensor, slack: torch.Tensor | float) -> torch.Tensor:
     """``long [P]``: lowest index ``i`` in the pool with ``score[i] >= max_pool(score) - slack``."""
     masked = score.masked_fill(out_of_pool, float("-inf"))
     best = masked.amax(-1, keepdim=True)
@@ -75,7 +90,7 @@ def _new_direction(basis: torch.Tensor, t: int, x: torch.Tensor, add: torch.Tens
             coef = torch.bmm(u.unsqueeze(1), q.transpose(1, 2))  # [P, 1, t]
             u = u - torch.bmm(coef, q).squeeze(1)
     norm = torch.linalg.vector_norm(u, dim=-1, keepdim=True)
-    drop = ~(add.unsqueeze(-1) & (norm > torch.zeros((), dtype=norm.dtype, device=norm.device)))
+    drop = ~(add.unsqueeze(-1) & (norm > 0.0))
     return (u / norm.masked_fill(drop, 1.0)).masked_fill_(drop, 0.0)
 
 
@@ -89,9 +104,18 @@ def _inverse_norm(norm: torch.Tensor) -> torch.Tensor:
     return torch.where(norm > 0, 1.0 / torch.where(norm > 0, norm, 1.0), 0.0)
 
 
-@dataclass
 class _Greedy:
-    """State shared by every greedy step of one :func:`cords_greedy` run (``P`` problems of ``M`` units).
+    """State and buffers shared by every greedy step of one :func:`cords_greedy` run (``P`` problems of ``M``
+    units, ``F`` feature columns).
+
+    A step writes only into these buffers (``out=`` and in-place ops) through views made once here, so it
+    launches a fixed, short list of kernels, allocates nothing but its pick and never reads a tensor back.
+
+    **The pool.** A unit leaves the pool (chosen, or invalid from the start) when its column of every row of
+    :attr:`rows` is set to ``-inf`` (one ``scatter_`` per step). The running minimum keeps it there, and the
+    novelty rows carry it into the novelty, so no step masks the pool again. In the pool every state entry is
+    ``>= 0``, so a row's pool minimum is ``-max(-|row|)`` (``copysign``) and its pool maximum the row's
+    maximum: one ``amax`` gives both for every row.
 
     Attributes
     ----------
@@ -102,111 +126,154 @@ class _Greedy:
         Width of the key part of ``x`` (``0`` when only values are read).
     need_k, need_v:
         Whether the score reads the keys / the values (distance or novelty).
-    ar:
-        ``long [P]``: ``0 .. P-1``, to gather the new point of every problem.
     kn, vn:
         ``[P, M]`` key / value norms (zeros where not read).
     base:
         ``[P, M]``: ``alpha |k_i|^2 + (1 - alpha) |v_i|^2`` (the terms the distance uses).
     aux:
-        ``[P, M, 5]``: ``base, |k|, |v|, 1/|k|, 1/|v|``, gathered for the new point in one index op.
+        ``[P, M, 5]``: ``base, |k|, |v|, 1/|k|, 1/|v|``, gathered for the new point in one op.
+    valid:
+        ``bool [P, M]``: selectable units (read by the seed only).
+    alpha, lam, eps0, tol:
+        As in :class:`CoRDSSelector`; ``tol`` is :func:`snap_tolerance`. Python scalars: a scalar operand
+        is passed to the kernel, never copied to the device.
+    use_kd, use_vd:
+        Whether the distance has a key / value term.
+    n_state:
+        ``R``: state rows, 1 (distance) or 2 (distance, novelty).
+    rows:
+        ``[P, 2R + E, M]``: the state ``R`` rows (row 0: the running minimum distance ``d_alpha(i, S)``; row 1,
+        with an orthogonal bonus, the novelty ``Orth(i | S)``), then ``R`` scratch rows ``-|state|``, then
+        ``E`` rows the novelty keeps (its running minima, or the pool's ``0 / -inf`` row).
     w:
-        ``[P, C, F]``: the columns of the per-step matmul ``x @ w^T``. Few columns: a skinny GEMM runs at
-        memory speed.
+        ``[P, C, F]``: the columns of the per-step matmul ``x @ w^T`` (two or three, a skinny GEMM that runs
+        at memory speed); ``prod`` ``[P, M, C]`` its result.
     dist_scale:
         ``[F]``: ``-2 alpha`` over the keys, ``-2 (1 - alpha)`` over the values; ``x_j * dist_scale`` is
         the combined distance column ``-2 (alpha k_j; (1 - alpha) v_j)``.
-    state:
-        ``[P, R, M]``: row 0 is the running minimum distance ``d_alpha(i, S)``; row 1 (``R = 2``, with an
-        orthogonal bonus) the novelty ``Orth(i | S)``. Both are min-max normalised over the pool.
-    out_of_pool:
-        ``bool [P, M]``: invalid or already selected units.
-    alpha, lam:
-        As in :class:`CoRDSSelector`; ``use_kd`` / ``use_vd``: whether the distance has a key / value term.
-    tol, c_tol, c_eps0:
-        :func:`snap_tolerance` (a float and a 0-dim tensor) and ``eps0`` (0-dim): a Python scalar in a
-        binary op costs a conversion each time, which adds up over thousands of small per-step ops.
+    j:
+        ``long [P, 1]``: the unit chosen last; ``xj`` ``[P, 1, F]`` and ``aj`` ``[P, 1, 5]`` its features and
+        constants.
     """
 
-    x: torch.Tensor
-    dk: int
-    need_k: bool
-    need_v: bool
-    ar: torch.Tensor
-    kn: torch.Tensor
-    vn: torch.Tensor
-    base: torch.Tensor
-    aux: torch.Tensor
-    w: torch.Tensor
-    dist_scale: torch.Tensor
-    state: torch.Tensor
-    out_of_pool: torch.Tensor
-    alpha: float
-    lam: float
-    use_kd: bool
-    use_vd: bool
-    tol: float
-    c_tol: torch.Tensor
-    c_eps0: torch.Tensor
+    def __init__(self, feats: torch.Tensor, key_dim: int, valid: torch.Tensor, *, alpha: float, eta: float,
+                 lam: float, eps0: float, novelty: str) -> None:
+        """Terms that cannot change the score are left out: the values at ``alpha = 1`` when the novelty does
+        not read them, and so on. ``feats`` is ``[P, M, Dk + Dv]``, ``valid`` ``bool [P, M]``."""
+        p_count, m_units, _ = feats.shape
+        device, dtype = feats.device, feats.dtype
+        self.tol = snap_tolerance(dtype)
+        self.alpha, self.lam, self.eps0 = alpha, lam, eps0
+        self.use_kd, self.use_vd = alpha > 0.0, alpha < 1.0
+        use_orth = lam > 0.0
+        use_ko, use_vo = use_orth and eta > 0.0, use_orth and eta < 1.0
+        self.need_k, self.need_v = self.use_kd or use_ko, self.use_vd or use_vo
 
-    @property
-    def min_dist(self) -> torch.Tensor:
-        """``[P, M]`` view of the running minimum distance ``d_alpha(i, S)``."""
-        return self.state[:, 0]
+        # Work only on the components the score reads (k_only / v_only read half the memory).
+        if self.need_k and self.need_v:
+            x_all, dk = feats, key_dim
+        elif self.need_k:
+            x_all, dk = feats[..., :key_dim].contiguous(), key_dim
+        else:
+            x_all, dk = feats[..., key_dim:].contiguous(), 0
+        self.x, self.dk, self.valid = x_all, dk, valid
+        f_dim = x_all.shape[-1]
+        zeros = torch.zeros((p_count, m_units), dtype=dtype, device=device)
+        self.kn = torch.linalg.vector_norm(x_all[..., :dk], dim=-1) if self.need_k else zeros
+        self.vn = torch.linalg.vector_norm(x_all[..., dk:], dim=-1) if self.need_v else zeros
+        self.base = ((alpha * (self.kn * self.kn) if self.use_kd else zeros)
+                     + ((1.0 - alpha) * (self.vn * self.vn) if self.use_vd else zeros))
+        self.aux = torch.stack([self.base, self.kn, self.vn, _inverse_norm(self.kn), _inverse_norm(self.vn)],
+                               dim=-1)
+        self.dist_scale = torch.cat([torch.full((dk,), -2.0 * alpha, dtype=dtype, device=device),
+                                     torch.full((f_dim - dk,), -2.0 * (1.0 - alpha), dtype=dtype, device=device)])
 
+        # Columns of the per-step matmul. With the max-cosine surrogate the plain dots k.k_j and v.v_j serve
+        # both the distance and the cosines; otherwise one combined distance column, plus the new directions.
+        if not use_orth:
+            n_cols = 1
+        elif novelty == "exact":
+            n_cols = 1 + use_ko + use_vo
+        else:
+            n_cols = self.need_k + self.need_v
+        self._columns(_padded_columns(n_cols))
 
-def _const(value: float, like: torch.Tensor) -> torch.Tensor:
-    """0-dim tensor of ``value`` with the dtype and device of ``like``."""
-    return torch.tensor(value, dtype=like.dtype, device=like.device)
+        self.n_state = 2 if use_orth else 1
+        extra = (use_ko + use_vo) if use_orth and novelty != "exact" else int(use_orth)
+        r = self.n_state
+        self.rows = torch.zeros((p_count, 2 * r + extra, m_units), dtype=dtype, device=device)
+        self.rows[:, 0].fill_(float("inf"))
+        self.rows.masked_fill_(~valid[:, None, :], float("-inf"))
+        self.state, self.negs = self.rows[:, :r], self.rows[:, r:2 * r]
+        self.min_dist = self.rows[:, 0]
+        self.orth = self.rows[:, 1] if use_orth else None
+        self.stat_rows = self.rows[:, :2 * r]
+        self.stats = torch.empty((p_count, 2 * r, 1), dtype=dtype, device=device)
+        self.hi, self.neglo = self.stats[:, :r], self.stats[:, r:]
+        self.den = torch.empty((p_count, r, 1), dtype=dtype, device=device)
+        self.normed = torch.empty((p_count, r, m_units), dtype=dtype, device=device)
+        self.normed_dist, self.normed_orth = self.normed[:, 0], self.normed[:, -1]
+        self.score = torch.empty((p_count, m_units), dtype=dtype, device=device) if use_orth else self.normed_dist
+        self.best = torch.empty((p_count, 1), dtype=dtype, device=device)
+        self.hit = torch.empty((p_count, m_units), dtype=torch.uint8, device=device)
+        self.bsum = torch.empty((p_count, m_units), dtype=dtype, device=device)
+        self.dist = torch.empty((p_count, m_units), dtype=dtype, device=device)
+        self.snap = torch.empty((p_count, m_units), dtype=torch.bool, device=device)
 
+        self.j = torch.zeros((p_count, 1), dtype=torch.long, device=device)
+        self.j_x = self.j[:, :, None].expand(p_count, 1, f_dim)
+        self.j_aux = self.j[:, :, None].expand(p_count, 1, self.aux.shape[-1])
+        self.j_rows = self.j[:, None, :].expand(p_count, self.rows.shape[1], 1)
+        self.xj = torch.empty((p_count, 1, f_dim), dtype=dtype, device=device)
+        self.aj = torch.empty((p_count, 1, self.aux.shape[-1]), dtype=dtype, device=device)
+        self.base_j, self.kn_j, self.vn_j = self.aj[:, :, 0], self.aj[:, :, 1], self.aj[:, :, 2]  # [P, 1] each
 
-def _setup(feats: torch.Tensor, key_dim: int, valid: torch.Tensor, *, alpha: float, eta: float, lam: float,
-           eps0: float, novelty: str) -> _Greedy:
-    """The state shared by every step: features, per-unit constants, matmul columns, distance state, pool.
+    def _columns(self, n_cols: int) -> None:
+        """(Re)allocate the matmul columns ``w`` (``[P, n_cols, F]``, zeros) and its result ``prod``."""
+        p_count, m_units, f_dim = self.x.shape
+        self.w = torch.zeros((p_count, n_cols, f_dim), dtype=self.x.dtype, device=self.x.device)
+        self.w_t = self.w.transpose(1, 2)
+        self.w_dist = self.w[:, :1]  # [P, 1, F]: the combined distance column (when there is one)
+        self.prod = torch.empty((p_count, m_units, n_cols), dtype=self.x.dtype, device=self.x.device)
+        self.prod_dist = self.prod[..., 0]
 
-    ``feats`` is ``[P, M, Dk + Dv]``, ``valid`` ``bool [P, M]``. Terms that cannot change the score are
-    left out: the values at ``alpha = 1`` when the novelty does not read them, and so on.
-    """
-    p_count, m_units, _ = feats.shape
-    device, dtype = feats.device, feats.dtype
-    tol = snap_tolerance(dtype)
-    use_kd, use_vd = alpha > 0.0, alpha < 1.0
-    use_orth = lam > 0.0
-    use_ko, use_vo = use_orth and eta > 0.0, use_orth and eta < 1.0
-    need_k, need_v = use_kd or use_ko, use_vd or use_vo
+    def one_column(self) -> None:
+        """Drop every column but the distance column (the novelty has saturated)."""
+        self._columns(1)
 
-    # Work only on the components the score reads (k_only / v_only read half the memory).
-    if need_k and need_v:
-        x_all, dk = feats, key_dim
-    elif need_k:
-        x_all, dk = feats[..., :key_dim].contiguous(), key_dim
-    else:
-        x_all, dk = feats[..., key_dim:].contiguous(), 0
-    f_dim = x_all.shape[-1]
-    zeros = torch.zeros((p_count, m_units), dtype=dtype, device=device)
-    kn = torch.linalg.vector_norm(x_all[..., :dk], dim=-1) if need_k else zeros
-    vn = torch.linalg.vector_norm(x_all[..., dk:], dim=-1) if need_v else zeros
-    base = (alpha * (kn * kn) if use_kd else zeros) + ((1.0 - alpha) * (vn * vn) if use_vd else zeros)
-    aux = torch.stack([base, kn, vn, _inverse_norm(kn), _inverse_norm(vn)], dim=-1)
+    def take(self) -> None:
+        """Remove the unit ``j`` from the pool; gather its features into ``xj`` and its constants into ``aj``."""
+        self.rows.scatter_(2, self.j_rows, float("-inf"))
+        torch.gather(self.x, 1, self.j_x, out=self.xj)
+        torch.gather(self.aux, 1, self.j_aux, out=self.aj)
 
-    # Columns of the per-step matmul. With the max-cosine surrogate the plain dots k.k_j and v.v_j serve
-    # both the distance and the cosines; otherwise one combined distance column, plus the new directions.
-    if not use_orth:
-        n_cols = 1
-    elif novelty == "exact":
-        n_cols = 1 + use_ko + use_vo
-    else:
-        n_cols = need_k + need_v
-    w = torch.zeros((p_count, _padded_columns(n_cols), f_dim), dtype=dtype, device=device)
-    dist_scale = torch.cat([torch.full((dk,), -2.0 * alpha, dtype=dtype, device=device),
-                            torch.full((f_dim - dk,), -2.0 * (1.0 - alpha), dtype=dtype, device=device)])
+    def lower_min_dist(self) -> None:
+        """Fold ``d_alpha(i, j)`` (in ``dist``, unclamped) into the running minimum distance.
 
-    state = torch.zeros((p_count, 2 if use_orth else 1, m_units), dtype=dtype, device=device)
-    state[:, 0].fill_(float("inf"))
-    return _Greedy(x=x_all, dk=dk, need_k=need_k, need_v=need_v, ar=torch.arange(p_count, device=device), kn=kn,
-                   vn=vn, base=base, aux=aux, w=w, dist_scale=dist_scale, state=state, out_of_pool=~valid,
-                   alpha=alpha, lam=lam, use_kd=use_kd, use_vd=use_vd, tol=tol, c_tol=_const(tol, feats),
-                   c_eps0=_const(eps0, feats))
+        ``bsum`` (``base_i + base_j``, overwritten) scales the snapping threshold, which is ``>= 0``: a negative
+        distance is snapped to 0 with the small ones (so no clamp is needed).
+        """
+        self.bsum.mul_(self.tol)
+        torch.le(self.dist, self.bsum, out=self.snap)
+        self.dist.masked_fill_(self.snap, 0.0)
+        torch.minimum(self.min_dist, self.dist, out=self.min_dist)
+
+    def pick(self) -> torch.Tensor:
+        """The next unit (``long [P, 1]``, a copy of ``j``, which it also becomes): the best min-max normalised
+        score over the pool (tie rule: lowest index).
+
+        The score is the normalised distance, plus ``lam`` times the normalised novelty when the state has one.
+        """
+        torch.copysign(self.state, -1.0, out=self.negs)
+        torch.amax(self.stat_rows, -1, keepdim=True, out=self.stats)  # pool max, then -(pool min), of each row
+        torch.add(self.hi, self.neglo, out=self.den).add_(self.eps0)
+        torch.add(self.state, self.neglo, out=self.normed).div_(self.den)
+        if self.n_state == 2:
+            torch.add(self.normed_dist, self.normed_orth, alpha=self.lam, out=self.score)
+        torch.amax(self.score, -1, keepdim=True, out=self.best).sub_(self.tol)
+        torch.ge(self.score, self.best, out=self.hit)  # out of the pool the score is -inf
+        torch.argmax(self.hit, -1, keepdim=True, out=self.j)
+        return self.j.clone()
 
 
 def _seed(g: _Greedy) -> torch.Tensor:
@@ -215,131 +282,105 @@ def _seed(g: _Greedy) -> torch.Tensor:
         score = torch.linalg.vector_norm(g.x[..., :g.dk] + g.x[..., g.dk:], dim=-1)
     else:
         score = g.kn if g.use_kd else g.vn
-    best = score.masked_fill(g.out_of_pool, float("-inf")).amax(-1, keepdim=True)
-    return _first_near_max(score, g.out_of_pool, g.tol * best.clamp_min(0.0))
+    out_of_pool = ~g.valid
+    best = score.masked_fill(out_of_pool, float("-inf")).amax(-1, keepdim=True)
+    return _first_near_max(score, out_of_pool, g.tol * best.clamp_min(0.0))
 
 
-def _take(g: _Greedy, j: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Remove the new points ``j`` (``long [P]``) from the pool; return their features ``[P, F]`` and
-    constants ``[P, 5]`` (``base_j, |k_j|, |v_j|, 1/|k_j|, 1/|v_j|``)."""
-    g.out_of_pool.scatter_(1, j.unsqueeze(-1), True)
-    return g.x[g.ar, j], g.aux[g.ar, j]
+def _d2_step(g: _Greedy, t: int) -> torch.Tensor:
+    """One step without the orthogonal bonus (``lam = 0``, or a saturated exact novelty): add ``g.j``, return
+    the next unit (``long [P, 1]``).
 
-
-def _lower_min_dist(g: _Greedy, dist: torch.Tensor, base_sum: torch.Tensor) -> None:
-    """Fold ``d_alpha(i, j)`` (``[P, M]``, unclamped) into the running minimum distance.
-
-    ``base_sum`` (``[P, M]``: ``base_i + base_j``, overwritten) scales the snapping threshold.
+    ``w`` has one column, ``x_j * dist_scale``; ``t`` (the step number) is unused. About 22 kernels.
     """
-    dist = dist.clamp_min(0.0)
-    dist.masked_fill_(dist <= base_sum.mul_(g.c_tol), 0.0)
-    torch.minimum(g.min_dist, dist, out=g.min_dist)
+    g.take()
+    torch.mul(g.xj, g.dist_scale, out=g.w_dist)
+    torch.bmm(g.x, g.w_t, out=g.prod)  # [P, M, C]: the one pass over the features
+    torch.add(g.base, g.base_j, out=g.bsum)  # base_i + base_j
+    torch.add(g.bsum, g.prod_dist, out=g.dist)
+    g.lower_min_dist()
+    return g.pick()
 
 
-def _pick(g: _Greedy) -> torch.Tensor:
-    """``long [P]``: the next unit, the best min-max normalised score over the pool (tie rule: lowest index).
-
-    The score is the normalised distance, plus ``lam`` times the normalised novelty when the state has one.
-    """
-    rows = g.out_of_pool.unsqueeze(1)
-    lo = g.state.masked_fill(rows, float("inf")).amin(-1, keepdim=True)
-    hi = g.state.masked_fill(rows, float("-inf")).amax(-1, keepdim=True)
-    normed = (g.state - lo) / (hi - lo + g.c_eps0)
-    score = normed[:, 0] if normed.shape[1] == 1 else torch.add(normed[:, 0], normed[:, 1], alpha=g.lam)
-    return _first_near_max(score, g.out_of_pool, g.c_tol)
-
-
-def _d2_step(g: _Greedy, t: int, j: torch.Tensor) -> torch.Tensor:
-    """One step without the orthogonal bonus (``lam = 0``): add ``j`` (``long [P]``), return the next unit.
-
-    ``w`` has one column, ``x_j * dist_scale``; ``t`` (the step number) is unused.
-    """
-    x, aux_j = _take(g, j)
-    torch.mul(x, g.dist_scale, out=g.w[:, 0])
-    prod = torch.bmm(g.x, g.w.transpose(1, 2))  # [P, M, C]: the one pass over the features
-    base_sum = g.base + aux_j[:, 0:1]  # base_i + base_j
-    _lower_min_dist(g, torch.add(base_sum, prod[..., 0]), base_sum)
-    return _pick(g)
-
-
-@dataclass
 class _MaxCosine:
     """State of the max-cosine novelty: ``1 - max_{j in S} cos(x_i, x_j)`` for the keys and/or the values.
 
+    Columns of ``w``: ``k_j / |k_j|`` (whenever the keys are read) and ``v_j / |v_j|`` (whenever the values
+    are): they yield ``|k_i| cos(k_i, k_j)`` (and so also the key dot of the distance), likewise for values.
+
     Attributes
     ----------
-    k_col, v_col:
-        Columns of ``w`` holding ``k_j / |k_j|`` and ``v_j / |v_j|`` (whenever the keys / values are read):
-        they yield ``|k_i| cos(k_i, k_j)`` (and so also the key dot of the distance), likewise for values.
-    inv_kn, inv_vn:
-        ``[P, M]``: ``1 / |k_i|``, ``1 / |v_i|`` (0 for zero vectors: their cosine is 0).
-    nov_k, nov_v:
-        ``[P, M]`` running minimum ``1 - cos`` of the keys / values (``None`` when its weight is 0).
-    eta:
-        Key/value weight of the novelty.
-    c_one, c_snap_cos, c_eta, c_eta_v:
-        0-dim constants ``1``, ``1 - tol``, ``eta``, ``1 - eta``.
+    running:
+        ``[P, N, M]``: the running minimum ``1 - cos`` of each component with a weight (``N`` = 1 or 2; rows
+        of ``g.rows``, so leaving the pool sets them to ``-inf``).
+    prod_nov, neg_inv:
+        ``[P, N, M]``: the matmul columns of those components (a view of ``g.prod``) and ``-1 / |x_i|``
+        (``-0`` for zero vectors: their cosine is 0), so that their product is ``-cos``.
+    ncos:
+        ``[P, N, M]`` buffer: ``-cos``, then ``1 - cos`` (``0`` where ``cos >= 1 - tol``).
+    orth_terms:
+        Each running row and its weight in the novelty (``eta``, ``1 - eta``).
+    dist_terms:
+        The distance's matmul column, norm of the new point and scale, for the keys and/or the values.
     """
 
-    k_col: int | None
-    v_col: int | None
-    inv_kn: torch.Tensor
-    inv_vn: torch.Tensor
-    nov_k: torch.Tensor | None
-    nov_v: torch.Tensor | None
-    eta: float
-    c_one: torch.Tensor
-    c_snap_cos: torch.Tensor
-    c_eta: torch.Tensor
-    c_eta_v: torch.Tensor
-
-    @classmethod
-    def create(cls, g: _Greedy, eta: float) -> _MaxCosine:
+    def __init__(self, g: _Greedy, eta: float) -> None:
         """The initial state (empty selected set: novelty 2, above any ``1 - cos``)."""
         k_col = 0 if g.need_k else None
         v_col = (1 if g.need_k else 0) if g.need_v else None
-        nov_k = torch.full_like(g.base, 2.0) if eta > 0.0 else None
-        nov_v = torch.full_like(g.base, 2.0) if eta < 1.0 else None
-        return cls(k_col=k_col, v_col=v_col, inv_kn=_inverse_norm(g.kn), inv_vn=_inverse_norm(g.vn), nov_k=nov_k,
-                   nov_v=nov_v, eta=eta, c_one=_const(1.0, g.base), c_snap_cos=_const(1.0 - g.tol, g.base),
-                   c_eta=_const(eta, g.base), c_eta_v=_const(1.0 - eta, g.base))
+        f_dim = g.x.shape[-1]
+        # Fill the cosine columns of w: one product when both halves are as wide (the diagonal blocks).
+        if k_col is not None and v_col is not None and 2 * g.dk == f_dim:
+            p_count, n_cols = g.w.shape[:2]
+            self.fills = [(g.xj.view(p_count, 2, g.dk), g.aj[:, 0, 3:5].unsqueeze(-1),
+                           g.w.as_strided((p_count, 2, g.dk), (n_cols * f_dim, f_dim + g.dk, 1)))]
+        else:
+            self.fills = [(g.xj[:, 0, part], g.aj[:, 0, i:i + 1], g.w[:, col, part])
+                          for col, part, i in ((k_col, slice(0, g.dk), 3), (v_col, slice(g.dk, f_dim), 4))
+                          if col is not None]
+        comps = [(col, norm, weight) for col, norm, weight in ((k_col, g.kn, eta), (v_col, g.vn, 1.0 - eta))
+                 if weight > 0.0]
+        first = 2 * g.n_state
+        self.running = g.rows[:, first:first + len(comps)]
+        self.running.masked_fill_(g.valid[:, None, :], 2.0)
+        cols = [col for col, _, _ in comps]  # consecutive: (k_col, v_col) are (0, 1), or one of them
+        self.prod_nov = g.prod[..., cols[0]:cols[-1] + 1].transpose(1, 2)
+        self.neg_inv = torch.stack([-_inverse_norm(norm) for _, norm, _ in comps], dim=1)
+        self.ncos = torch.empty_like(self.running)
+        self.orth_terms = [(self.running[:, i], weight) for i, (_, _, weight) in enumerate(comps)]
+        self.snap = 1.0 - g.tol
+        # The distance terms: (k_i.k_j / |k_j|) * |k_j| * (-2 alpha), likewise for the values.
+        self.dist_terms = [(g.prod[..., col], norm_j, scale) for used, col, norm_j, scale in (
+            (g.use_kd, k_col, g.kn_j, -2.0 * g.alpha), (g.use_vd, v_col, g.vn_j, -2.0 * (1.0 - g.alpha))) if used]
 
 
-def _max_cosine_step(g: _Greedy, nov: _MaxCosine, t: int, j: torch.Tensor) -> torch.Tensor:
-    """One step with the max-cosine novelty: add ``j`` (``long [P]``), return the next unit (``t`` unused)."""
-    x, aux_j = _take(g, j)
-    if nov.k_col is not None:
-        torch.mul(x[:, :g.dk], aux_j[:, 3:4], out=g.w[:, nov.k_col, :g.dk])
-    if nov.v_col is not None:
-        torch.mul(x[:, g.dk:], aux_j[:, 4:5], out=g.w[:, nov.v_col, g.dk:])
-    prod = torch.bmm(g.x, g.w.transpose(1, 2))  # [P, M, C]: the one pass over the features
+def _max_cosine_step(g: _Greedy, nov: _MaxCosine, t: int) -> torch.Tensor:
+    """One step with the max-cosine novelty: add ``g.j``, return the next unit (``t`` unused). About 30
+    kernels, for any number of units."""
+    g.take()
+    for x, inv, out in nov.fills:
+        torch.mul(x, inv, out=out)
+    torch.bmm(g.x, g.w_t, out=g.prod)  # [P, M, C]: the one pass over the features
 
-    base_sum = g.base + aux_j[:, 0:1]  # base_i + base_j
-    dist = base_sum  # k_i.k_j = |k_j| * (column k_col), likewise for values
-    if g.use_kd:
-        dist = torch.addcmul(dist, prod[..., nov.k_col], aux_j[:, 1:2], value=-2.0 * g.alpha)
-    if g.use_vd:
-        dist = torch.addcmul(dist, prod[..., nov.v_col], aux_j[:, 2:3], value=-2.0 * (1.0 - g.alpha))
-    _lower_min_dist(g, dist, base_sum)
+    torch.add(g.base, g.base_j, out=g.bsum)  # base_i + base_j
+    (prod, norm_j, scale), *more = nov.dist_terms
+    torch.addcmul(g.bsum, prod, norm_j, value=scale, out=g.dist)
+    for prod, norm_j, scale in more:
+        g.dist.addcmul_(prod, norm_j, value=scale)
+    g.lower_min_dist()
 
-    for col, inv, running in ((nov.k_col, nov.inv_kn, nov.nov_k), (nov.v_col, nov.inv_vn, nov.nov_v)):
-        if running is None:
-            continue
-        cos = prod[..., col] * inv
-        cos.masked_fill_(cos >= nov.c_snap_cos, 1.0)
-        torch.minimum(running, nov.c_one - cos, out=running)
-    orth = g.state[:, 1]
-    if nov.nov_k is not None and nov.nov_v is not None:
-        torch.mul(nov.nov_k, nov.c_eta, out=orth)
-        orth.add_(nov.nov_v, alpha=1.0 - nov.eta)
-    elif nov.nov_k is not None:
-        torch.mul(nov.nov_k, nov.c_eta, out=orth)
-    elif nov.nov_v is not None:
-        torch.mul(nov.nov_v, nov.c_eta_v, out=orth)
-    return _pick(g)
+    # 1 - cos, snapped to 0 where cos >= 1 - tol: -cos is kept where -cos > -(1 - tol), else set to -1.
+    torch.mul(nov.prod_nov, nov.neg_inv, out=nov.ncos)
+    torch.threshold_(nov.ncos, -nov.snap, -1.0)
+    nov.ncos.add_(1.0)
+    torch.minimum(nov.running, nov.ncos, out=nov.running)
+    (running, weight), *more = nov.orth_terms
+    torch.mul(running, weight, out=g.orth)
+    for running, weight in more:
+        g.orth.add_(running, alpha=weight)
+    return g.pick()
 
 
-@dataclass
 class _ExactNovelty:
     """State of the exact novelty ``eta ||(I - P_S^K) k_i||^2 + (1 - eta) ||(I - P_S^V) v_i||^2``.
 
@@ -360,24 +401,15 @@ class _ExactNovelty:
         ``tol * |x_i|^2``.
     eta_w:
         ``[1, C, 1]``: ``eta`` for the keys, ``1 - eta`` for the values.
-    c_zero:
-        0-dim ``0``.
+    pool:
+        ``[P, M]`` row of ``g.rows``: ``0`` in the pool, ``-inf`` out of it (added to the novelty, whose
+        residuals are clamped at 0 and so cannot carry the ``-inf`` themselves).
     saturated:
         Every residual is zero: the spans are the whole feature space and, since residuals never grow, the
         novelty stays identically zero (the remaining steps are those of ``lam = 0``).
     """
 
-    offsets: list[int]
-    comp_dim: int
-    basis: torch.Tensor
-    res: torch.Tensor
-    res_thr: torch.Tensor
-    eta_w: torch.Tensor
-    c_zero: torch.Tensor
-    saturated: bool = False
-
-    @classmethod
-    def create(cls, g: _Greedy, eta: float, k_max: int) -> _ExactNovelty:
+    def __init__(self, g: _Greedy, eta: float, k_max: int) -> None:
         """The initial state (empty selected set: residuals are the squared norms).
 
         Raises ``ValueError`` when both components are used and ``Dk != Dv``.
@@ -387,59 +419,74 @@ class _ExactNovelty:
         comp_dim = g.dk if comps == [0] else f_dim - g.dk
         if len(comps) == 2 and g.dk != comp_dim:
             raise ValueError("feats: exact novelty on keys and values needs Dk == Dv")
-        p_count = g.x.shape[0]
+        p_count, n_c = g.x.shape[0], len(comps)
         norms2 = torch.stack([(g.kn * g.kn, g.vn * g.vn)[c] for c in comps], dim=1)  # [P, C, M]
-        res_thr = g.tol * norms2
-        eta_w = torch.tensor([(eta, 1.0 - eta)[c] for c in comps], dtype=g.x.dtype, device=g.x.device)
-        return cls(offsets=[0 if c == 0 else g.dk for c in comps], comp_dim=comp_dim,
-                   basis=torch.zeros((p_count * len(comps), k_max, comp_dim), dtype=g.x.dtype, device=g.x.device),
-                   res=norms2.masked_fill(norms2 <= res_thr, 0.0), res_thr=res_thr,
-                   eta_w=eta_w.view(1, len(comps), 1), c_zero=_const(0.0, g.x))
+        self.offsets = [0 if c == 0 else g.dk for c in comps]
+        self.comp_dim = comp_dim
+        self.res_thr = g.tol * norms2
+        self.res = norms2.masked_fill(norms2 <= self.res_thr, 0.0)
+        self.eta_w = torch.empty((1, n_c, 1), dtype=g.x.dtype, device=g.x.device)
+        for i, c in enumerate(comps):
+            self.eta_w[:, i].fill_((eta, 1.0 - eta)[c])  # a fill, not a host-to-device copy
+        self.basis = torch.zeros((p_count * n_c, k_max, comp_dim), dtype=g.x.dtype, device=g.x.device)
+        self.pool = g.rows[:, 2 * g.n_state]
+        self.weighted = torch.empty_like(self.res)
+        self.res_j = torch.empty((p_count, n_c, 1), dtype=g.x.dtype, device=g.x.device)
+        self.j_res = g.j[:, None, :].expand(p_count, n_c, 1)
+        self.proj = g.prod[..., 1:1 + n_c].transpose(1, 2)  # [P, C, M]
+        # [P * C, Dc]: rows (problem, component); with both components a view of x_j = [k_j; v_j].
+        xj = g.xj[:, 0]
+        self.xc = xj.view(p_count * 2, comp_dim) if n_c == 2 else xj[:, self.offsets[0]:self.offsets[0] + comp_dim]
+        self.w_dirs = [g.w[:, 1 + i, off:off + comp_dim] for i, off in enumerate(self.offsets)]
+        self.saturated = False
 
 
-def _exact_step(g: _Greedy, nov: _ExactNovelty, t: int, j: torch.Tensor) -> torch.Tensor:
-    """Step ``t`` with the exact novelty: add ``j`` (``long [P]``), return the next unit.
+def _exact_step(g: _Greedy, nov: _ExactNovelty, t: int) -> torch.Tensor:
+    """Step ``t`` with the exact novelty: add ``g.j``, return the next unit.
 
     Once the novelty is saturated it is identically zero: the step is :func:`_d2_step` (one matmul column).
+    Saturation is read back to the host once per step from step ``Dc`` on, until it happens (typically at
+    once): the one host read of a greedy run, and only for this variant.
     """
     if nov.saturated:
-        return _d2_step(g, t, j)
-    x, aux_j = _take(g, j)
-    torch.mul(x, g.dist_scale, out=g.w[:, 0])
-    p_count, n_c, dc = x.shape[0], len(nov.offsets), nov.comp_dim
-    # [P * C, Dc]: rows (problem, component); with both components a view of x = [k_j; v_j].
-    xc = x.view(p_count * 2, dc) if n_c == 2 else x[:, nov.offsets[0]:nov.offsets[0] + dc]
-    q = _new_direction(nov.basis, t, xc, (nov.res[g.ar, :, j] > nov.c_zero).reshape(-1))
+        return _d2_step(g, t)
+    g.take()
+    torch.mul(g.xj, g.dist_scale, out=g.w_dist)
+    p_count, n_c, dc = g.x.shape[0], len(nov.offsets), nov.comp_dim
+    torch.gather(nov.res, 2, nov.j_res, out=nov.res_j)
+    q = _new_direction(nov.basis, t, nov.xc, (nov.res_j > 0.0).reshape(-1))
     nov.basis[:, t] = q
     q = q.view(p_count, n_c, dc)
-    for i, off in enumerate(nov.offsets):
-        g.w[:, 1 + i, off:off + dc] = q[:, i]
-    prod = torch.bmm(g.x, g.w.transpose(1, 2))  # [P, M, C]: the one pass over the features
+    for i, w_dir in enumerate(nov.w_dirs):
+        w_dir.copy_(q[:, i])
+    torch.bmm(g.x, g.w_t, out=g.prod)  # [P, M, C]: the one pass over the features
 
-    base_sum = g.base + aux_j[:, 0:1]  # base_i + base_j
-    _lower_min_dist(g, torch.add(base_sum, prod[..., 0]), base_sum)
-    proj = prod[..., 1:1 + n_c].transpose(1, 2)  # [P, C, M]
-    nov.res.addcmul_(proj, proj, value=-1.0).clamp_min_(0.0)
+    torch.add(g.base, g.base_j, out=g.bsum)  # base_i + base_j
+    torch.add(g.bsum, g.prod_dist, out=g.dist)
+    g.lower_min_dist()
+    nov.res.addcmul_(nov.proj, nov.proj, value=-1.0).clamp_min_(0.0)
     nov.res.masked_fill_(nov.res <= nov.res_thr, 0.0)
-    torch.sum(nov.res * nov.eta_w, dim=1, out=g.state[:, 1])
-    nxt = _pick(g)
+    torch.mul(nov.res, nov.eta_w, out=nov.weighted)
+    torch.sum(nov.weighted, dim=1, out=g.orth)
+    g.orth.add_(nov.pool)  # -inf out of the pool
+    nxt = g.pick()
     # Residuals never grow: once they are all zero (after at least Dc picks) they stay zero. Drop the
-    # direction columns and the novelty row; the next steps are plain D^2 ones.
+    # direction columns; the novelty row stays 0 in the pool (its normalised value is 0, so the score is the
+    # normalised distance), and the next steps are plain D^2 ones.
     if t + 1 >= dc and not bool(nov.res.any()):
         nov.saturated = True
-        g.w = g.w.new_zeros(p_count, 1, g.w.shape[-1])
-        g.state = g.state[:, :1]
+        g.one_column()
     return nxt
 
 
-def _step_function(g: _Greedy, novelty: str, eta: float, k_max: int) -> Callable[[int, torch.Tensor], torch.Tensor]:
-    """The step of the run, ``(t, j) -> next unit``, bound to its novelty state: :func:`_d2_step` without a
+def _step_function(g: _Greedy, novelty: str, eta: float, k_max: int) -> Callable[[int], torch.Tensor]:
+    """The step of the run, ``t -> next unit``, bound to its novelty state: :func:`_d2_step` without a
     bonus (the state has no novelty row), else the step of ``novelty`` (one of :data:`NOVELTY_VARIANTS`)."""
-    if g.state.shape[1] == 1:
+    if g.n_state == 1:
         return partial(_d2_step, g)
     if novelty == "exact":
-        return partial(_exact_step, g, _ExactNovelty.create(g, eta, k_max))
-    return partial(_max_cosine_step, g, _MaxCosine.create(g, eta))
+        return partial(_exact_step, g, _ExactNovelty(g, eta, k_max))
+    return partial(_max_cosine_step, g, _MaxCosine(g, eta))
 
 
 def cords_greedy(
@@ -484,9 +531,9 @@ def cords_greedy(
     Terms that cannot change the score are skipped (the values at ``alpha = 1`` when ``eta = 1`` or
     ``lam = 0``, the novelty state when ``lam = 0``); the result is the same.
 
-    Structure: :func:`_setup` builds the state every step shares, then one step function per variant
-    (:func:`_d2_step` when ``lam = 0``, else :func:`_max_cosine_step` or :func:`_exact_step`), chosen once,
-    adds the last chosen unit and returns the next one.
+    Structure: :class:`_Greedy` builds the state and buffers every step shares, then one step function per
+    variant (:func:`_d2_step` when ``lam = 0``, else :func:`_max_cosine_step` or :func:`_exact_step`), chosen
+    once, adds the last chosen unit and returns the next one.
 
     Raises
     ------
@@ -498,12 +545,13 @@ def cords_greedy(
         raise ValueError(f"novelty: must be one of {', '.join(NOVELTY_VARIANTS)}, got {novelty!r}")
     if k_max == 0:
         return torch.full((feats.shape[0], 0), -1, dtype=torch.long, device=feats.device)
-    g = _setup(feats, key_dim, valid, alpha=alpha, eta=eta, lam=lam, eps0=eps0, novelty=novelty)
+    g = _Greedy(feats, key_dim, valid, alpha=alpha, eta=eta, lam=lam, eps0=eps0, novelty=novelty)
     step = _step_function(g, novelty, eta, k_max)  # chosen once for the whole run
-    chosen = [_seed(g)]
+    g.j.copy_(_seed(g).unsqueeze(-1))
+    chosen = [g.j.clone()]
     for t in range(k_max - 1):
-        chosen.append(step(t, chosen[-1]))
-    return mask_order(torch.stack(chosen, dim=1), k)
+        chosen.append(step(t))
+    return mask_order(torch.cat(chosen, dim=1), k)
 
 
 @register_selector("cords")
