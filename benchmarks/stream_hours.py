@@ -1,16 +1,17 @@
 """One live stream for hours of video through ``vllm serve``: KV held, server RSS and push time, per policy.
 
-    python benchmarks/stream_hours.py                        # 2 h of 2 fps 448x448 video, none then cords
+    python benchmarks/stream_hours.py                        # 2.05 h of 2 fps 448x448 video, none then cords
     python benchmarks/stream_hours.py --hours 0.05 --ask-every-min 1 --old-event-min 0.5   # a quick look
 
-The shipped tiny video-QA model is served with Qwen2-VL-7B's rotary range (``--hf-overrides`` sets its
-``max_position_embeddings`` to ``--max-positions``; a ``--max-model-len`` one past it is checked to be refused
-first) and its frames kept at their size, so an 8-frame 448x448 clip is 1,024 video tokens and 18 rotary
-positions. For each of ``--policies`` one server runs, one stream is opened and clips of ``--clip-frames`` frames
-at ``--fps`` are pushed for ``--hours`` of video as fast as the server takes them; ``none`` ends at the first 410
-(``--max-model-len``, the rotary range), ``cords`` should reach the end (its limit is its rotary positions). Every
-``--ask-every-min`` minutes of video it asks about a dot shown a few seconds before and a square shown
-``--old-event-min`` minutes before (see :mod:`cords_vllm.lab.bench.stream_hours`).
+The tiny video-QA model (``--checkpoint``: the shipped one by default) is served with Qwen2-VL-7B's rotary range
+(``--hf-overrides`` sets its ``max_position_embeddings`` to ``--max-positions``; a ``--max-model-len`` one past it
+is checked to be refused first) and its frames kept at their size, so an 8-frame 448x448 clip is 1,024 video
+tokens and 18 rotary positions. For each of ``--policies`` one server runs, one stream is opened and clips of
+``--clip-frames`` frames at ``--fps`` are pushed for ``--hours`` of video as fast as the server takes them;
+``none`` ends at the first 410 (``--max-model-len``, the rotary range), ``cords`` ends with a 410 when its rotary
+positions run out (just after two hours with the defaults). Every ``--ask-every-min`` minutes of video it asks
+about a dot shown a few seconds before and a square shown ``--old-event-min`` minutes before (see
+:mod:`cords_vllm.lab.bench.stream_hours`).
 
 Prints a summary table (KV blocks first / last, RSS growth after warm-up in % per hour of video, the ratio of the
 median push time of the last 10% of pushes to the first 10%, questions right / asked, where a stream ended) and
@@ -49,19 +50,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The command line."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--policies", nargs="+", default=["none", "cords"])
-    p.add_argument("--hours", type=float, default=2.0, help="hours of video to stream (default: %(default)s)")
+    p.add_argument("--hours", type=float, default=2.05,
+                   help="hours of video to stream (default: %(default)s: a stream of 8-frame 448x448 clips with a "
+                        "question every 15 minutes reaches Qwen2-VL-7B's rotary range just after 2 hours)")
     p.add_argument("--fps", type=float, default=2.0, help="frames per second of video (default: %(default)s)")
     p.add_argument("--clip-frames", type=int, default=8, help="frames per push, even (default: %(default)s)")
     p.add_argument("--size", type=int, default=448,
                    help="frame side in pixels, a multiple of 28 (default: %(default)s)")
-    p.add_argument("--ask-every-min", type=float, default=10.0, help="minutes of video between questions")
+    p.add_argument("--ask-every-min", type=float, default=15.0,
+                   help="minutes of video between checkpoints of two questions (default: %(default)s)")
     p.add_argument("--old-event-min", type=float, default=None,
                    help="how long before a checkpoint its old event is shown (default: 5, at most half of "
                         "--ask-every-min)")
     p.add_argument("--budget", type=int, default=2048, help="cords budget, video tokens (default: %(default)s)")
     p.add_argument("--max-text-tokens", type=int, default=1024)
     p.add_argument("--max-positions", type=int, default=32768, help="max_position_embeddings served (Qwen2-VL-7B's)")
-    p.add_argument("--cords-max-model-len", type=int, default=4096)
+    p.add_argument("--cords-max-model-len", type=int, default=None,
+                   help="--max-model-len under a policy (default: what a stream holds plus one push)")
+    p.add_argument("--checkpoint", default="shipped",
+                   help="'shipped' (the shipped tiny video-QA model, default) or a checkpoint directory, e.g. one "
+                        "fine-tuned on stream-shaped examples by train_vqa.py --stream-batch")
     p.add_argument("--skip-range-check", action="store_true", help="do not check that the served range is refused "
                                                                    "one past --max-positions")
     p.add_argument("--mm-cache-gb", type=float, default=0.0,
@@ -86,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                       recent=args.budget // 4, slack=args.budget // 4, max_text_tokens=args.max_text_tokens,
                       max_positions=args.max_positions, cords_max_model_len=args.cords_max_model_len,
                       mm_cache_gb=args.mm_cache_gb, seed=args.seed)
-    model_dir = shipped_checkpoint()
+    model_dir = shipped_checkpoint() if args.checkpoint == "shipped" else Path(args.checkpoint)
     t_all = time.perf_counter()
     print(f"==> {cfg.hours:g} h of {cfg.size}x{cfg.size} video at {cfg.fps:g} fps in {cfg.pushes} pushes of "
           f"{cfg.clip_frames} frames ({cfg.clip_tokens} video tokens, {cfg.clip_positions} rotary positions each; "

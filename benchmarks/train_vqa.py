@@ -72,6 +72,14 @@ from cords_vllm.lab.vqa import (
 )
 from cords_vllm.lab.vqa.hf import HFEncoder, answer_logits, fast_vision_attention, predict
 from cords_vllm.lab.vqa.model import TRAINING_RECORD
+from cords_vllm.lab.vqa.stream_task import (
+    STREAM_SPLIT_SEEDS,
+    StreamEncoder,
+    StreamExample,
+    make_stream_example,
+    stream_logits,
+    stream_split,
+)
 
 DEFAULT_FAMILIES = "colour,order,count,static"
 
@@ -97,6 +105,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument("--curriculum", nargs="*", default=[], metavar="FAMILIES@FRAMES:STEPS",
                    help="stages run before the main phase, e.g. 'colour@32:300' trains 300 steps on the "
                         "colour family with 32-frame videos; then --families / --train-frames")
+    g.add_argument("--stream-batch", type=int, default=0,
+                   help="stream-shaped examples per step besides --batch (cords_vllm.lab.vqa.stream_task): several "
+                        "marks, the latest asked about, older clips partly held, position gaps; 0: off")
+    g.add_argument("--stream-size", type=int, default=112, help="frame side of the stream examples")
+    g.add_argument("--stream-monitor", type=int, default=64, help="stream examples of the monitor split")
+    g.add_argument("--stream-heldout", type=int, default=256, help="stream examples of the held-out split")
     g = p.add_argument_group("optimisation")
     g.add_argument("--steps", type=int, default=0, help="optimizer steps (0: until --minutes)")
     g.add_argument("--minutes", type=float, default=30.0, help="wall-time budget of the training loop")
@@ -264,6 +278,31 @@ def evaluate_shapes(model: Any, encoder: HFEncoder, examples: Sequence[VQAExampl
     return sum(scores) / len(scores), accs
 
 
+def monitor_score(model: Any, encoder: HFEncoder, examples: Sequence[VQAExample], shapes: Sequence[str],
+                  streams: StreamEncoder | None, stream_examples: Sequence[StreamExample]
+                  ) -> tuple[float, dict[str, float]]:
+    """:func:`evaluate_shapes`, with the stream examples' accuracy (``stream``) weighing as much as the one-shot
+    score when there are any."""
+    score, accs = evaluate_shapes(model, encoder, examples, shapes)
+    if streams is not None and stream_examples:
+        accs["stream"] = evaluate_stream(model, streams, stream_examples)
+        score = (score + accs["stream"]) / 2
+    return score, accs
+
+
+def evaluate_stream(model: Any, encoder: StreamEncoder, examples: Sequence[StreamExample]) -> float:
+    """HF accuracy of ``model`` on stream examples (eval mode, then back)."""
+    was_training = model.training
+    model.eval()
+    right = 0
+    with torch.no_grad():
+        for i in range(0, len(examples), 16):
+            batch = encoder.encode(model, examples[i:i + 16])
+            right += int((stream_logits(model, batch).argmax(-1) == batch.answer_ids).sum())
+    model.train(was_training)
+    return right / max(1, len(examples))
+
+
 def data_description(families: Sequence[Family], geometry: VideoGeometry, args: argparse.Namespace
                      ) -> dict[str, Any]:
     """Git-independent description of the task data (enough to regenerate it with :mod:`cords_vllm.lab.vqa`)."""
@@ -416,6 +455,8 @@ def train(args: argparse.Namespace) -> None:
     monitor = make_split(families, args.monitor_per_family, "monitor", geometry=geometry)
     stages = make_stages(args, families)
     shapes = input_shapes(args)
+    streams = StreamEncoder(processor.tokenizer) if args.stream_batch else None
+    stream_monitor = stream_split(args.stream_monitor, "monitor", size=args.stream_size) if streams else []
     producer = BatchProducer(stages, encoder, batch=args.batch, seed=args.seed, size=args.size,
                              inputs=[x for x in args.inputs.split(",") if x])
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.98))
@@ -444,6 +485,12 @@ def train(args: argparse.Namespace) -> None:
                 group["lr"] = lr
             logits = answer_logits(model, batch).float()                 # [B, vocab]
             loss = F.cross_entropy(logits, batch.answer_ids)
+            if streams is not None:
+                examples = [make_stream_example(step * args.stream_batch + j, size=args.stream_size,
+                                                seed=STREAM_SPLIT_SEEDS["train"] + args.seed)
+                            for j in range(args.stream_batch)]
+                stream_batch = streams.encode(model, examples)
+                loss = loss + F.cross_entropy(stream_logits(model, stream_batch).float(), stream_batch.answer_ids)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip))
@@ -458,7 +505,7 @@ def train(args: argparse.Namespace) -> None:
                                    "loss": round(loss_value, 4), "acc": acc, "lr": lr,
                                    "grad_norm": round(grad_norm, 3)}
             if step % args.eval_every == 0:
-                score, accs = evaluate_shapes(model, encoder, monitor, shapes)
+                score, accs = monitor_score(model, encoder, monitor, shapes, streams, stream_monitor)
                 rec["monitor"] = accs
                 history.append({"step": step, "t": rec["t"], "monitor": accs})
                 if score >= best["score"]:
@@ -476,7 +523,7 @@ def train(args: argparse.Namespace) -> None:
     producer.close()
     train_seconds = time.time() - t_start
     # Final monitor evaluation of the last weights (they may beat the last periodic check).
-    score, accs = evaluate_shapes(model, encoder, monitor, shapes)
+    score, accs = monitor_score(model, encoder, monitor, shapes, streams, stream_monitor)
     if score >= best["score"]:
         best = {"score": score, "step": step, "t": round(train_seconds, 1), "monitor": accs}
         best_state = None
@@ -519,6 +566,16 @@ def train(args: argparse.Namespace) -> None:
         # continued training: keep the earlier run's record (its config, stages and history)
         earlier = json.loads((Path(args.init) / TRAINING_RECORD).read_text())
         record["training"]["continued_from"] = {k: earlier.get(k) for k in ("config", "training")}
+    if streams is not None:
+        record["data"]["stream"] = {
+            "generator": "cords_vllm.lab.vqa.stream_task.make_stream_example(index, seed=seed, size=size)",
+            "size": args.stream_size, "train_seed": STREAM_SPLIT_SEEDS["train"] + args.seed,
+            "splits": {k: f"seed={v}" for k, v in STREAM_SPLIT_SEEDS.items() if k != "train"},
+            "questions": "the latest square or dot of 1-4 marks in 4-14 held clips of 8 frames"}
+        heldout = stream_split(args.stream_heldout, "heldout", size=args.stream_size)
+        record.setdefault("results", {})["hf_stream_heldout"] = {
+            "examples": len(heldout), "accuracy": evaluate_stream(model, streams, heldout)}
+        print(f"stream held-out accuracy (HF): {record['results']['hf_stream_heldout']}", flush=True)
     (ckpt / TRAINING_RECORD).write_text(json.dumps(record, indent=1) + "\n")
     measure(ckpt, families, args, record)
     if full.is_dir():

@@ -2,11 +2,12 @@
 
 One camera streams ``hours`` of synthetic video at ``fps`` into one stream of the stream API (``/v1/streams``), in
 clips of ``clip_frames`` frames of ``size x size`` pixels, as fast as the server takes them (no real-time
-pacing). The model is the shipped tiny video-QA checkpoint (:func:`~cords_vllm.lab.vqa.shipped_checkpoint`),
-served with Qwen2-VL-7B's rotary range: ``--hf-overrides`` sets its text config's ``max_position_embeddings``
-to ``max_positions`` (32768), and ``--mm-processor-kwargs max_pixels`` keeps frames at their size, so a clip has
-Qwen2-VL-7B's geometry (8 frames of 448 x 448: 1,024 video tokens, 18 rotary positions with its markers).
-:func:`check_position_range` proves the served range: a ``--max-model-len`` one past it is refused.
+pacing). The model is a tiny video-QA checkpoint (the shipped one by default, or one fine-tuned on
+:mod:`cords_vllm.lab.vqa.stream_task` examples as well), served with Qwen2-VL-7B's rotary range:
+``--hf-overrides`` sets its text config's ``max_position_embeddings`` to ``max_positions`` (32768), and
+``--mm-processor-kwargs max_pixels`` keeps frames at their size, so a clip has Qwen2-VL-7B's geometry (8 frames
+of 448 x 448: 1,024 video tokens, 18 rotary positions with its markers). :func:`check_position_range` proves the
+served range: a ``--max-model-len`` one past it is refused.
 
 Under ``none`` the stream ends with a 410 at ``--max-model-len`` tokens (the rotary range); under ``cords`` it is
 re-based at every push, so its KV stays flat and its limit is its rotary positions (a 410 naming "rotary
@@ -26,9 +27,10 @@ the checkpoint:
 
 Earlier checkpoints' marks may still be held: each checkpoint's colours differ from the previous one's, and a
 wrong answer naming the colour of another mark asked about (an earlier checkpoint's, or this checkpoint's other
-one) is recorded as ``stale``. The model was trained on single 64-frame videos of 112 x 112 pixels with one event;
-once a stream holds several marks it tends to name one of them whatever is asked (under ``none`` too, which holds
-everything), so right / asked tells more about the model than about the KV the stream holds.
+one) is recorded as ``stale``. The one-shot checkpoint (trained on one mark per video) names the most salient
+mark whatever is asked once a stream holds several, under ``none`` too; :mod:`cords_vllm.lab.vqa.stream_task`
+draws training examples of this shape (the latest mark of the kind asked, older clips partly held, position gaps)
+for a checkpoint that tells marks apart (``train_vqa.py --stream-batch``; not shipped yet: see docs/results.md).
 """
 
 from __future__ import annotations
@@ -46,12 +48,11 @@ from typing import Any
 import numpy as np
 
 from cords_vllm.compress.positions import Grid
-from cords_vllm.lab.vqa.video import COLOUR_NAMES, TEMPORAL_PATCH, TOKEN_PIXELS, Mark, VideoGeometry
+from cords_vllm.lab.vqa.stream_task import clip_mark, timestamp
+from cords_vllm.lab.vqa.video import COLOUR_NAMES, TEMPORAL_PATCH, TOKEN_PIXELS, VideoGeometry
 
 #: Questions of the two kinds (their families' fixed questions) and the marks they are about.
 QUESTIONS: dict[str, str] = {"recent": "What color is the dot?", "old": "What color was the square?"}
-#: Size range (pixels) of the marks, as the families draw them.
-DOT_SIDE, SQUARE_SIDE = (12, 16), (26, 40)
 #: Text tokens one clip turn adds around its video (the vision markers), counted in rotary positions.
 MARKERS = 2
 
@@ -71,8 +72,8 @@ class HoursConfig:
     block_size, max_positions:
         KV block size, and the rotary range the model is served with (``max_position_embeddings``).
     cords_max_model_len:
-        ``--max-model-len`` under a policy (what the stream holds at once plus a turn); ``none`` uses
-        ``max_positions``.
+        ``--max-model-len`` under a policy; ``None``: what the stream holds at once (text, budget, slack) plus
+        one push, rounded up to 1,024. ``none`` uses ``max_positions``.
     pool_footprints:
         KV pool under a policy, in streams' footprints (``none``: one ``--max-model-len`` request).
     mm_cache_gb:
@@ -83,11 +84,11 @@ class HoursConfig:
         Seed of the video and the events.
     """
 
-    hours: float = 2.0
+    hours: float = 2.05
     fps: float = 2.0
     clip_frames: int = 8
     size: int = 448
-    ask_every_min: float = 10.0
+    ask_every_min: float = 15.0
     old_event_min: float = 5.0
     budget: int = 2048
     recent: int = 512
@@ -95,7 +96,7 @@ class HoursConfig:
     max_text_tokens: int = 1024
     block_size: int = 32
     max_positions: int = 32768
-    cords_max_model_len: int = 4096
+    cords_max_model_len: int | None = None
     pool_footprints: float = 2.0
     mm_cache_gb: float | None = 0.0
     seed: int = 0
@@ -129,6 +130,14 @@ class HoursConfig:
     def clip_tokens(self) -> int:
         """Video tokens of one clip (the processor keeps the frame size: ``max_pixels`` is set to it)."""
         return self.geometry.num_video_tokens
+
+    @property
+    def policy_max_model_len(self) -> int:
+        """``--max-model-len`` under a policy (:attr:`cords_max_model_len`, or derived)."""
+        if self.cords_max_model_len is not None:
+            return self.cords_max_model_len
+        held = self.max_text_tokens + self.budget + self.slack + 2 * self.block_size
+        return -(-(held + self.clip_tokens + MARKERS) // 1024) * 1024
 
     @property
     def clip_positions(self) -> int:
@@ -219,26 +228,12 @@ class StreamVideo:
         return _data_urls(self.frames(push))
 
 
-def timestamp(clip: np.ndarray, number: int, bits: int = 16, cell: int = 6) -> np.ndarray:
-    """A copy of ``clip`` with ``number`` drawn in every frame as ``bits`` black (0) or white (1) cells of
-    ``cell`` pixels in a row at the bottom-left corner."""
-    out = np.array(clip)
-    y = out.shape[1] - cell
-    for b in range(min(bits, out.shape[2] // cell)):
-        out[:, y:, b * cell:(b + 1) * cell] = 255 if number >> b & 1 else 0
-    return out
-
-
 def draw_event(clip: np.ndarray, question: Question, rng: np.random.Generator) -> np.ndarray:
     """``clip`` with ``question``'s mark: a dot in every frame (recent) or a square in one temporal patch (old)."""
-    from cords_vllm.lab.vqa.video import draw_marks, random_box
+    from cords_vllm.lab.vqa.video import draw_marks
 
-    size, patches = clip.shape[1], len(clip) // TEMPORAL_PATCH
-    if question.kind == "recent":
-        mark = Mark("dot", question.answer, 0, patches, random_box(rng, size, DOT_SIDE))
-    else:
-        patch = int(rng.integers(0, patches))
-        mark = Mark("square", question.answer, patch, patch + 1, random_box(rng, size, SQUARE_SIDE))
+    geometry = VideoGeometry(num_frames=len(clip), size=clip.shape[1])
+    mark = clip_mark("dot" if question.kind == "recent" else "square", question.answer, rng, geometry)
     return draw_marks(rng, clip.astype(np.float32), (mark,))
 
 
@@ -256,7 +251,7 @@ def serve_flags(model_dir: str | Path, policy: str, cfg: HoursConfig) -> list[st
     """``vllm serve`` flags: fp32, eager, the rotary range ``cfg.max_positions``, frames kept at their size.
 
     ``none``: ``--max-model-len`` is the rotary range and the pool holds one such request (the stream API admits
-    a stream under ``none`` as one max-model-len request). A policy: ``cfg.cords_max_model_len`` and a pool of
+    a stream under ``none`` as one max-model-len request). A policy: ``cfg.policy_max_model_len`` and a pool of
     ``cfg.pool_footprints`` streams' bounded footprints.
     """
     from cords_vllm.lab.bench.offline import kv_bytes_per_block
@@ -267,7 +262,7 @@ def serve_flags(model_dir: str | Path, policy: str, cfg: HoursConfig) -> list[st
         max_model_len, pool_blocks = cfg.max_positions, cdiv(cfg.max_positions, block) + 1
     else:
         footprint = cdiv(cfg.max_text_tokens + cfg.budget + cfg.slack + 2 * block, block)
-        max_model_len, pool_blocks = cfg.cords_max_model_len, math.ceil(cfg.pool_footprints * footprint) + 1
+        max_model_len, pool_blocks = cfg.policy_max_model_len, math.ceil(cfg.pool_footprints * footprint) + 1
     flags = ["--kv-policy", policy, "--dtype", "float32", "--enforce-eager", "--block-size", str(block),
              "--kv-cache-memory-bytes", str((pool_blocks + 1) * kv_bytes_per_block(model_dir, block, 4)),
              "--max-model-len", str(max_model_len),

@@ -10,6 +10,7 @@ imported on demand.
 - :mod:`~cords_vllm.lab.vqa.prompt`: the exact prompt / chat messages.
 - :mod:`~cords_vllm.lab.vqa.metrics`: accuracy per family and by needle position.
 - :mod:`~cords_vllm.lab.vqa.model`: base model spec, shipped checkpoint and its training record.
+- :mod:`~cords_vllm.lab.vqa.stream_task`: what a long compressed stream holds when asked, as training examples.
 - :mod:`~cords_vllm.lab.vqa.hf`, :mod:`~cords_vllm.lab.vqa.positions`: HF inputs (patches, M-RoPE ids), prediction.
 - :mod:`~cords_vllm.lab.vqa.serving`: ``vllm.LLM`` arguments and prediction.
 """
