@@ -17,9 +17,25 @@ drive it:
    before it is written, so kept blocks may overlap sources.
 
 Everything lives on the caches' device; the host supplies only the plan's integers (in
-:class:`RegionBatch`), so the step itself never reads a tensor back to the host. (The selectors may: their
-data-dependent checks and greedy loops synchronise a few times per compression, never in a step without
-one.)
+:class:`RegionBatch`), so the step itself never reads a tensor back to the host, and it passes those integers
+on (the candidate count, through :func:`~cords_vllm.selection.exact.select_exact`) so that the selection reads
+back only what no host integer gives.
+
+Budgets (:data:`HOST_SYNCS_PER_COMPRESSION`, enforced on CPU by ``tests/compress/test_host_syncs.py`` with an
+aten-level counter, for every registered policy at its default settings, joint or per head, first or later
+compression): host synchronisations per call, whatever the number of layers, anchors or kept tokens:
+
+* token and block granularity: **0**;
+* frame granularity: **1**, the read of the most frames a problem's candidates form and of the frame budget
+  (both data-dependent: earlier compressions chose on the device which frames the region still holds, and
+  trimmed one of them);
+* blocking host-to-device uploads: **0** (constants are Python scalars or device fills, the random policy's
+  host draw is copied from pinned memory without blocking).
+
+The one exception is an ablation setting: CoRDS with ``novelty="exact"`` reads its saturation flag once per
+greedy step from step ``H * D`` until its residuals vanish (once, on real keys and values). Kernel launches: a
+fixed list per greedy step of the greedy policies (:data:`~cords_vllm.selection.cords.OPS_PER_GREEDY_STEP`),
+one step per kept unit (token granularity) or per kept block or frame, plus a few hundred per call.
 """
 
 from __future__ import annotations
@@ -33,6 +49,11 @@ from cords_vllm.compress.kv_access import KVAccessor
 from cords_vllm.compress.kv_codec import KVCodec, PlainCodec
 from cords_vllm.selection.base import Selector
 from cords_vllm.selection.exact import select_exact
+
+#: Host synchronisations one :func:`compress_region` call makes at most, per granularity (see the module
+#: docstring): measured on CPU by counting ``_local_scalar_dense`` / ``is_nonzero`` / ``nonzero`` / masked
+#: indexing / ``equal`` and the like per call.
+HOST_SYNCS_PER_COMPRESSION: dict[str, int] = {"token": 0, "block": 0, "frame": 1}
 
 
 @dataclass(frozen=True)
@@ -58,8 +79,10 @@ class RegionBatch:
     group_size:
         Tokens per selection group (the largest frame, or the block size); ``None`` at token granularity.
     frame_budget:
-        Frames to ask the selector for at frame granularity (``None``: the fewest that always hold enough,
-        see :func:`~cords_vllm.selection.exact.select_exact`).
+        Frames to ask the selector for at frame granularity. ``None`` (what the worker passes): the fewest that
+        always hold enough, read back with the frame count in the compression's one host read (see
+        :func:`~cords_vllm.selection.exact.select_exact`); the host cannot know it, since which frames the
+        region still holds, and how far one of them was trimmed, was decided on the device.
     frame_tokens:
         Tokens per frame for frame-aware policies at token granularity, or ``None``.
     """

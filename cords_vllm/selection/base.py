@@ -23,6 +23,12 @@ the number of kept tokens is ``p + n`` when ``budget >= n``; otherwise ``p + bud
 granularity and ``p + group_size * (budget // group_size)`` at frame/block granularity. It depends only
 on ``n``, ``p``, ``budget`` and ``group_size``, never on the features.
 
+Host synchronisation: by default :meth:`Selector.select` checks its data (finite keys and values, labelled
+groups in order) and reads the widths it needs (units, ``k_max``) from the device, a few host reads. A caller
+that knows those counts on the host passes them as :class:`~cords_vllm.selection.batch.HostCounts`, which also
+vouches for the data: then the call reads nothing back (what the compress step does, through
+:func:`~cords_vllm.selection.exact.select_exact`).
+
 The names of the sibling modules that other code imports from here (``GRANULARITIES``, ``compute_dtype``,
 ``SelectionResult``, ...) are re-exported (see ``__all__``).
 """
@@ -35,7 +41,14 @@ from typing import Any, ClassVar
 
 import torch
 
-from cords_vllm.selection.batch import GRANULARITIES, Granularity, UnitBatch, build_units, compute_dtype
+from cords_vllm.selection.batch import (
+    GRANULARITIES,
+    Granularity,
+    HostCounts,
+    UnitBatch,
+    build_units,
+    compute_dtype,
+)
 from cords_vllm.selection.granularity import units_to_mask
 from cords_vllm.selection.params import ParamSpec, check_params, hyperparameter, param_specs_of
 from cords_vllm.selection.result import SelectionResult, kept_candidate_count
@@ -44,6 +57,7 @@ from cords_vllm.selection.validation import check_group_index, check_select_inpu
 __all__ = [
     "GRANULARITIES",
     "Granularity",
+    "HostCounts",
     "ParamSpec",
     "SelectionResult",
     "Selector",
@@ -109,6 +123,7 @@ class Selector(abc.ABC):
         group_index: torch.Tensor | None = None,
         per_head: bool = False,
         generator: torch.Generator | None = None,
+        counts: HostCounts | None = None,
     ) -> SelectionResult:
         """Choose which tokens of each problem to keep.
 
@@ -149,6 +164,10 @@ class Selector(abc.ABC):
             (``keep`` is ``[B, H, N]``).
         generator:
             Random generator for stochastic policies (``random``); ignored by the others.
+        counts:
+            What the caller knows on the host (:class:`~cords_vllm.selection.batch.HostCounts`): the call then
+            reads nothing back from the device, skips the data checks the counts vouch for, and checks the
+            policy's output with a device assertion. ``None``: checked and read from the device.
 
         Returns
         -------
@@ -157,7 +176,7 @@ class Selector(abc.ABC):
             module docstring.
         """
         budget = check_select_inputs(keys, values, budget, candidates, granularity, group_size, per_head,
-                                     generator)
+                                     generator, check_finite=counts is None)
         if group_index is not None:
             check_group_index(group_index, keys, granularity)
         if self.needs_frame_length and group_size is None:
@@ -165,9 +184,9 @@ class Selector(abc.ABC):
                              "granularity")
         units, layout = build_units(keys, values, budget, candidates=candidates, granularity=granularity,
                                     group_size=group_size, group_index=group_index, per_head=per_head,
-                                    generator=generator)
+                                    generator=generator, counts=counts)
         order = self._order_units(units) if units.k_max > 0 else units.empty_order()
-        chosen = self._check_order(order, units)
+        chosen = self._check_order(order, units, on_device=counts is not None)
         return SelectionResult(keep=layout.keep(chosen), order=layout.order(order), granularity=granularity,
                                group_size=group_size, per_head=per_head)
 
@@ -179,11 +198,12 @@ class Selector(abc.ABC):
         the first ``k[p]`` entries of row ``p``. Break exact ties toward the lowest unit index.
         """
 
-    def _check_order(self, order: torch.Tensor, units: UnitBatch) -> torch.Tensor:
+    def _check_order(self, order: torch.Tensor, units: UnitBatch, on_device: bool = False) -> torch.Tensor:
         """Enforce the exact-count contract on a policy's output; returns the chosen-unit mask ``bool [P, M]``.
 
         Raises ``RuntimeError`` if ``order`` is not ``long [P, k_max]`` or does not list exactly ``k[p]``
-        distinct valid units in every row ``p``.
+        distinct valid units in every row ``p``. ``on_device``: the count check is a device assertion
+        (``torch._assert_async``: no host read; on a GPU a failure surfaces as a device-side assert).
         """
         p_count, m = units.valid.shape
         if order.shape != (p_count, units.k_max) or order.dtype != torch.long:
@@ -192,7 +212,9 @@ class Selector(abc.ABC):
         chosen = units_to_mask(order, m)
         ok = (order >= 0).sum(-1) == units.k
         ok &= (chosen.sum(-1) == units.k) & ~(chosen & ~units.valid).any(-1)
-        if ok.numel() and not bool(ok.all()):
-            raise RuntimeError(f"{self.name}: policy broke the exact-count contract "
-                               "(wrong count, repeated or invalid units)")
+        message = f"{self.name}: policy broke the exact-count contract (wrong count, repeated or invalid units)"
+        if on_device:
+            torch._assert_async(ok.all(), message)
+        elif ok.numel() and not bool(ok.all()):
+            raise RuntimeError(message)
         return chosen

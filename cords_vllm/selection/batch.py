@@ -5,6 +5,10 @@ feature (joint scope), ``P = B * H`` when each head selects alone (``per_head``)
 *units*: its candidate tokens (token granularity) or groups of consecutive candidate tokens (frames,
 paged blocks) represented by their centroids. :func:`build_units` lays a validated input out as a
 :class:`UnitBatch` (what a policy sees) and a :class:`UnitLayout` (how chosen units map back to tokens).
+
+The widths it needs on the host (the number of units, the most any problem chooses) are read from the device
+(a few synchronisations on a GPU) unless the caller passes them as :class:`HostCounts`: then nothing is read
+back.
 """
 
 from __future__ import annotations
@@ -31,6 +35,36 @@ GRANULARITIES: tuple[str, ...] = ("token", "frame", "block")
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype all selection arithmetic runs in: float64 for float64 inputs, float32 otherwise."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@dataclass(frozen=True)
+class HostCounts:
+    """What the caller of :meth:`~cords_vllm.selection.base.Selector.select` knows on the host, so that the
+    call reads nothing back from the device (no host synchronisation on a GPU).
+
+    Passing it also vouches for the data: keys and values are finite and ``group_index`` is non-decreasing
+    along each problem's candidates with at most ``group_size`` candidates per group. Those checks would each
+    read a flag back, so they are skipped, and the exact-count check of the policy's output becomes a device
+    assertion (``torch._assert_async``).
+
+    Attributes
+    ----------
+    max_candidates:
+        The largest candidate count of any problem; required at token and fixed-group granularity.
+    max_groups:
+        Labelled groups (frame granularity with ``group_index``): the largest number of groups any problem's
+        candidates form; required there.
+    """
+
+    max_candidates: int | None = None
+    max_groups: int | None = None
+
+    def require(self, name: str, granularity: str) -> int:
+        """The count ``name``; ``ValueError`` (naming ``counts``) when it is missing."""
+        value = getattr(self, name)
+        if value is None:
+            raise ValueError(f"counts: {name} is required at {granularity} granularity")
+        return value
 
 
 @dataclass(frozen=True)
@@ -177,19 +211,24 @@ def _group_units(group: torch.Tensor, count: torch.Tensor, n_groups: int, k: tor
                   group=group, period=1)
 
 
-def _labelled_group_units(labels: torch.Tensor, cand: torch.Tensor, budget: int, group_size: int) -> _Units:
+def _labelled_group_units(labels: torch.Tensor, cand: torch.Tensor, budget: int, group_size: int,
+                          counts: HostCounts | None) -> _Units:
     """Units are the runs of candidates sharing a label (``labels``: ``long [P, N]``); every group may be chosen."""
-    group, count = labelled_group_ids(labels, cand, group_size)
-    n_groups = int(count.max()) if count.numel() else 0
+    group, count = labelled_group_ids(labels, cand, group_size, check=counts is None)
+    if counts is not None:
+        n_groups = counts.require("max_groups", "labelled frame")
+    else:
+        n_groups = int(count.max()) if count.numel() else 0
     # labelled groups may hold fewer than group_size tokens: the budget covers everything only when it
     # covers every group, otherwise the policy chooses budget // group_size of them
     keep_all = count <= budget // group_size
     return _group_units(group, count, n_groups, torch.where(keep_all, 0, budget // group_size), keep_all)
 
 
-def _fixed_group_units(rank: torch.Tensor, n_cand: torch.Tensor, budget: int, group_size: int) -> _Units:
+def _fixed_group_units(rank: torch.Tensor, n_cand: torch.Tensor, budget: int, group_size: int,
+                       max_candidates: int) -> _Units:
     """Units are the full runs of ``group_size`` consecutive candidates; a trailing partial run is padding."""
-    n_groups = cdiv(int(n_cand.max()), group_size)  # ceil: the partial group is a (padded) unit
+    n_groups = cdiv(max_candidates, group_size)  # ceil: the partial group is a (padded) unit
     keep_all = n_cand <= budget
     return _group_units(group_ids(rank, group_size), n_cand // group_size, n_groups,
                         torch.where(keep_all, 0, budget // group_size), keep_all)
@@ -212,6 +251,7 @@ def build_units(
     group_index: torch.Tensor | None,
     per_head: bool,
     generator: torch.Generator | None,
+    counts: HostCounts | None = None,
 ) -> tuple[UnitBatch, UnitLayout]:
     """Lay a (validated) selection input out as units.
 
@@ -222,6 +262,9 @@ def build_units(
     budget, candidates, granularity, group_size, group_index, per_head, generator:
         As in :meth:`~cords_vllm.selection.base.Selector.select`, already validated
         (:mod:`cords_vllm.selection.validation`); ``group_size`` is required at frame/block granularity.
+    counts:
+        The host counts the caller knows (:class:`HostCounts`), or ``None``: then the number of units and
+        ``k_max`` are read from the device, and labelled groups are checked (host reads).
 
     Returns
     -------
@@ -243,12 +286,18 @@ def build_units(
 
     if granularity == "token":
         u = _token_units(cand, rank, n_cand, budget, group_size)
+        k_max = None if counts is None else budget * (counts.require("max_candidates", granularity) > budget)
     elif group_index is not None:
-        u = _labelled_group_units(_per_problem(group_index, h_count, per_head), cand, budget,
-                                  _require_group_size(group_size, granularity))
+        size = _require_group_size(group_size, granularity)
+        u = _labelled_group_units(_per_problem(group_index, h_count, per_head), cand, budget, size, counts)
+        k_max = None if counts is None else budget // size * (u.valid.shape[1] > budget // size)
     else:
-        u = _fixed_group_units(rank, n_cand, budget, _require_group_size(group_size, granularity))
-    k_max = int(u.k.max()) if u.k.numel() else 0
+        size = _require_group_size(group_size, granularity)
+        most = int(n_cand.max()) if counts is None else counts.require("max_candidates", granularity)
+        u = _fixed_group_units(rank, n_cand, budget, size, most)
+        k_max = None if counts is None else budget // size * (most > budget)
+    if k_max is None:  # the most any problem chooses: k is where(keeps all, 0, its budget in units)
+        k_max = int(u.k.max()) if u.k.numel() else 0
     n_units = u.valid.shape[1]
 
     # Features only when some problem has to choose (a covering budget keeps everything).
@@ -261,7 +310,7 @@ def build_units(
         feats = group_centroids(token_features(keys, values, per_head, cdt), u.group, n_units)
     else:
         feats = group_features(keys, values, cand_bn, _require_group_size(group_size, granularity), n_units,
-                               per_head, cdt)
+                               per_head, cdt, None if counts is None else counts.max_candidates)
 
     units = UnitBatch(feats=feats, key_dim=key_dim, valid=u.valid, rank=u.rank, count=u.count, k=u.k,
                       k_max=k_max, period=u.period, granularity=granularity, group_size=group_size,

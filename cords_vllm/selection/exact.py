@@ -13,12 +13,17 @@ selector call for every granularity:
   block-aligned region edge, is kept whole when it holds fewer than ``group_size`` tokens (and fewer than
   ``need``), so it competes as a whole frame at the next compression. The others are chosen with the fewest
   frames any choice of which holds enough tokens (frames cut by earlier compressions are smaller, so this
-  is read from the frame sizes: one host synchronisation). The chosen tokens are then kept in the order
-  the policy chose their frames (oldest token first inside a frame) up to ``need``: only the frames chosen
-  last are trimmed, at most one partially.
+  is read from the frame sizes). The chosen tokens are then kept in the order the policy chose their frames
+  (oldest token first inside a frame) up to ``need``: only the frames chosen last are trimmed, at most one
+  partially.
 
-Every other count that sets a tensor width (``need``, the candidate count) is a host integer the caller
-passes, so apart from that one read no extra host synchronisation happens here.
+Host synchronisations (budget, enforced by ``tests/compress/test_host_syncs.py``): with ``num_candidates``
+given on the host (the compress step always gives it), the selector receives its counts as
+:class:`~cords_vllm.selection.batch.HostCounts` and reads nothing back: **0** at token and block
+granularity, **1** with labelled frames, where the most frames a problem's candidates form (the width of the
+selector's units) and the frame budget are data-dependent and read together, in one read (the frame count
+alone when the caller gives ``frame_budget``). Without ``num_candidates`` the count is read and the selector
+checks its inputs (a few more reads).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from cords_vllm.selection.base import Selector
+from cords_vllm.selection.batch import HostCounts
 from cords_vllm.selection.granularity import candidate_ranks, labelled_group_ids
 from cords_vllm.utils import cdiv
 
@@ -53,11 +59,13 @@ def select_exact(selector: Selector, keys: torch.Tensor, values: torch.Tensor, n
         ``long [B, T]``, ``frame`` only: the frame label of every token (non-decreasing along the
         candidates, at most ``group_size`` candidates per label). Without it frames are fixed runs.
     num_candidates:
-        Candidates per problem, if the caller knows it (otherwise read from ``candidates``: one host sync).
+        Candidates per problem, if the caller knows it on the host. Then the selection trusts its inputs (keys
+        and values finite, ``group_index`` as described) and reads nothing back but the one read of labelled
+        frames; otherwise the count is read from ``candidates`` and the selector checks its inputs.
     frame_budget:
         Labelled frames only: the number of frames to ask the selector for, at least ``cdiv(need, g)`` plus
         the number of held frames smaller than ``g``. By default the fewest frames any choice of which holds
-        ``need`` tokens, read from the frame sizes (one host synchronisation).
+        ``need`` tokens, read from the frame sizes (in the call's one host read).
     frame_tokens:
         Tokens per frame, passed to frame-aware policies at token granularity (``infinipot_v``).
 
@@ -66,24 +74,27 @@ def select_exact(selector: Selector, keys: torch.Tensor, values: torch.Tensor, n
     torch.Tensor
         ``long [B, protected + need]``, increasing, on ``keys.device``.
     """
+    trusted = num_candidates is not None
     if num_candidates is None:
         num_candidates = int(candidates.sum(-1).min())
     if not 0 <= need < num_candidates:
         raise ValueError(f"need: must be in [0, {num_candidates}) (the candidate count), got {need}")
+    counts = HostCounts(max_candidates=num_candidates) if trusted else None
     if granularity == "frame" and group_index is not None:
         if group_size is None:
             raise ValueError("group_size: required (the largest frame, in tokens) at frame granularity with "
                              "group_index")
         keep = _labelled_frames(selector, keys, values, candidates, group_index, need, group_size,
-                                frame_budget, generator)
+                                frame_budget, generator, trusted)
     elif granularity == "token" or group_size is None or cdiv(need, group_size) > num_candidates // group_size:
         # token granularity, or not enough whole groups to hold `need` tokens
         keep = selector.select(keys, values, need, candidates=candidates, granularity="token",
-                               group_size=frame_tokens, generator=generator).keep
+                               group_size=frame_tokens, generator=generator, counts=counts).keep
     else:
         n_groups = cdiv(need, group_size)
         result = selector.select(keys, values, n_groups * group_size, candidates=candidates,
-                                 granularity=granularity, group_size=group_size, generator=generator)
+                                 granularity=granularity, group_size=group_size, generator=generator,
+                                 counts=counts)
         rank, _ = candidate_ranks(candidates)
         gid = torch.where(candidates, rank // group_size, -1)
         keep = ~candidates | _first_chosen(result.keep & candidates, gid, result.order, need)
@@ -93,8 +104,12 @@ def select_exact(selector: Selector, keys: torch.Tensor, values: torch.Tensor, n
 
 def _labelled_frames(selector: Selector, keys: torch.Tensor, values: torch.Tensor, cand: torch.Tensor,
                      labels: torch.Tensor, need: int, group_size: int, frame_budget: int | None,
-                     generator: torch.Generator | None) -> torch.Tensor:
-    """``bool [B, T]``: protected tokens, the edge frame when kept whole, and the first chosen candidates."""
+                     generator: torch.Generator | None, trusted: bool) -> torch.Tensor:
+    """``bool [B, T]``: protected tokens, the edge frame when kept whole, and the first chosen candidates.
+
+    ``trusted``: the labels need no check, and the frame count (the width of the selector's units) is read
+    with the frame budget in the one host read of the call.
+    """
     low = torch.iinfo(torch.long).min
     newest = torch.where(cand, labels, low).max(dim=-1, keepdim=True).values  # [B, 1]
     edge = cand & (labels == newest)
@@ -102,20 +117,26 @@ def _labelled_frames(selector: Selector, keys: torch.Tensor, values: torch.Tenso
     edge &= (n_edge < group_size) & (n_edge < need)
     rest = cand & ~edge
     still = need - edge.sum(-1)  # [B] candidates to choose besides the edge frame
-    gid, count = labelled_group_ids(labels, rest, group_size)
-    if frame_budget is None:
-        frame_budget = _frames_holding(gid, count, still)
+    gid, count = labelled_group_ids(labels, rest, group_size, check=not trusted)
+    counts = None
+    if trusted:  # the one host read: the most frames of a problem and, unless given, the frame budget
+        wanted = [count.max()] if frame_budget is not None else [count.max(), _frames_holding(gid, count, still)]
+        n_frames, *budget = torch.stack(wanted).tolist()
+        frame_budget = budget[0] if budget else frame_budget
+        counts = HostCounts(max_groups=n_frames)
+    elif frame_budget is None:
+        frame_budget = int(_frames_holding(gid, count, still))
     result = selector.select(keys, values, frame_budget * group_size, candidates=rest, granularity="frame",
-                             group_size=group_size, group_index=labels, generator=generator)
+                             group_size=group_size, group_index=labels, generator=generator, counts=counts)
     return ~cand | edge | _first_chosen(result.keep & rest, gid, result.order, still)
 
 
-def _frames_holding(gid: torch.Tensor, count: torch.Tensor, still: torch.Tensor) -> int:
-    """The fewest frames any choice of which holds ``still[b]`` tokens in every problem ``b`` (one host sync).
+def _frames_holding(gid: torch.Tensor, count: torch.Tensor, still: torch.Tensor) -> torch.Tensor:
+    """``long []``: the fewest frames any choice of which holds ``still[b]`` tokens in every problem ``b``.
 
-    Reads each problem's frame sizes back to the host (the only data-dependent count of an exact frame
-    selection), sorts them and counts the smallest frames needed: any that many frames hold enough.
-    ``gid``: ``long [B, T]`` frame of each candidate (``-1``: none), ``count``: ``long [B]`` frames per problem.
+    Sorts each problem's frame sizes and counts the smallest frames needed: any that many frames hold enough
+    (a data-dependent count: the caller reads it back). ``gid``: ``long [B, T]`` frame of each candidate
+    (``-1``: none), ``count``: ``long [B]`` frames per problem.
     """
     b, t = gid.shape
     sizes = torch.zeros((b, t + 1), dtype=torch.long, device=gid.device)
@@ -123,7 +144,7 @@ def _frames_holding(gid: torch.Tensor, count: torch.Tensor, still: torch.Tensor)
     sizes = torch.sort(torch.where(sizes[:, :t] > 0, sizes[:, :t], t + 1), dim=-1).values  # smallest first
     prefix = torch.cumsum(torch.where(sizes <= t, sizes, 0), dim=-1)
     needed = (prefix < still[:, None]).sum(-1) + 1  # frames whose smallest sizes reach `still`
-    return int(torch.minimum(needed, count).max())
+    return torch.minimum(needed, count).max()
 
 
 def _first_chosen(chosen: torch.Tensor, gid: torch.Tensor, order: torch.Tensor,

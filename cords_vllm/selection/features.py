@@ -9,6 +9,9 @@ every problem shares one candidate mask (no mask, or the same rows, e.g. the lay
 the groups are then summed from the input in bounded chunks converted to the compute dtype, reading
 the cache once and allocating only ``[P, G, F]`` plus one chunk (a full-size temporary would cost
 page faults on every call for large caches). Otherwise they are accumulated from token features.
+Telling the masks apart and finding the candidates reads the mask back to the host; a caller that knows the
+candidate count on the host (``max_candidates``) skips that: each problem's groups are then gathered from its
+own candidate positions, found on the device, and summed the same way (no host read).
 """
 
 from __future__ import annotations
@@ -47,9 +50,10 @@ def _group_means_into(out: torch.Tensor, x: torch.Tensor, pos: torch.Tensor | No
     """Write the mean of each group of ``group_size`` selected tokens of ``x`` into ``out``.
 
     ``x`` is ``[B, H, N, D]``; ``out`` is a (possibly strided) ``[B, H, G, D]`` view in the compute
-    dtype. The selected tokens are ``pos`` (``long [G * g]``) or, if ``pos`` is None, the run of
-    ``G * g`` tokens starting at ``first``. A low-precision ``x`` is converted chunk by chunk through
-    one reused buffer (the loop is over chunks of groups, never over tokens).
+    dtype. The selected tokens are ``pos`` (``long [G * g]``, shared by every problem, or ``long [B, G * g]``,
+    one row per problem) or, if ``pos`` is None, the run of ``G * g`` tokens starting at ``first``. A
+    low-precision ``x`` is converted chunk by chunk through one reused buffer (the loop is over chunks of
+    groups, never over tokens).
     """
     b, h, _, d = x.shape
     n_groups = out.shape[2]
@@ -63,7 +67,12 @@ def _group_means_into(out: torch.Tensor, x: torch.Tensor, pos: torch.Tensor | No
     for start in range(0, n_groups, per_chunk):
         stop = min(n_groups, start + per_chunk)
         lo, hi = start * group_size, stop * group_size
-        part = x[:, :, first + lo:first + hi] if pos is None else x.index_select(2, pos[lo:hi])
+        if pos is None:
+            part = x[:, :, first + lo:first + hi]
+        elif pos.dim() == 1:
+            part = x.index_select(2, pos[lo:hi])
+        else:
+            part = torch.gather(x, 2, pos[:, None, lo:hi, None].expand(b, h, hi - lo, d))
         part = part.reshape(b, h, stop - start, group_size, d)
         if buf is not None:
             part = buf[:, :, :stop - start].copy_(part)
@@ -79,6 +88,7 @@ def group_features(
     n_groups: int,
     per_head: bool,
     dtype: torch.dtype,
+    max_candidates: int | None = None,
 ) -> torch.Tensor:
     """``[P, G, F]`` centroids of the groups of ``group_size`` consecutive candidates.
 
@@ -95,8 +105,17 @@ def group_features(
         meaningful, the other slots are padding whose content is unspecified.
     per_head, dtype:
         Scope and compute dtype.
+    max_candidates:
+        The largest candidate count of a problem, when the caller knows it on the host: then nothing is read
+        back (each problem's first ``max_candidates // g * g`` candidate positions are found on the device;
+        slots past a problem's own full groups are padding).
     """
-    b, h, n, d = keys.shape
+    b, h, n, _ = keys.shape
+    if max_candidates is not None:
+        span = max_candidates // group_size * group_size
+        # Candidate positions first, in token order (a stable sort of "not a candidate"), per problem.
+        rows = torch.sort((~candidates).to(torch.uint8), dim=-1, stable=True).indices[:, :span]
+        return _centroids(keys, values, rows, 0, span // group_size, group_size, n_groups, per_head, dtype)
     shared = b == 1 or bool((candidates == candidates[:1]).all())
     if shared:
         pos = torch.nonzero(candidates[0]).flatten()
@@ -105,20 +124,27 @@ def group_features(
         pos = pos[:span]
         contiguous = span > 0 and int(pos[-1]) - int(pos[0]) + 1 == span
         first, sel = (int(pos[0]), None) if contiguous else (0, pos)
-        # Write the centroids straight into the unit layout (no intermediate copies).
-        if per_head:
-            cent = torch.zeros((b, h, n_groups, 2, d), dtype=dtype, device=keys.device)
-            k_out, v_out = cent[:, :, :n_full, 0], cent[:, :, :n_full, 1]
-        else:
-            cent = torch.zeros((b, n_groups, 2, h, d), dtype=dtype, device=keys.device)
-            k_out = cent[:, :n_full, 0].permute(0, 2, 1, 3)
-            v_out = cent[:, :n_full, 1].permute(0, 2, 1, 3)
-        _group_means_into(k_out, keys, sel, first, group_size)
-        _group_means_into(v_out, values, sel, first, group_size)
-        return cent.view(b * h if per_head else b, n_groups, 2 * d if per_head else 2 * h * d)
+        return _centroids(keys, values, sel, first, n_full, group_size, n_groups, per_head, dtype)
     feats = _layout(keys, values, per_head, dtype)
     cand = candidates
     if per_head:
         cand = cand[:, None, :].expand(b, h, n).reshape(b * h, n)
     rank, _ = candidate_ranks(cand)
     return group_centroids(feats, group_ids(rank, group_size), n_groups)
+
+
+def _centroids(keys: torch.Tensor, values: torch.Tensor, sel: torch.Tensor | None, first: int, n_full: int,
+               group_size: int, n_groups: int, per_head: bool, dtype: torch.dtype) -> torch.Tensor:
+    """``[P, G, F]``: the means of the ``n_full`` groups of the selected tokens (see :func:`_group_means_into`)
+    written straight into the unit layout (no intermediate copies); the other slots are zeros."""
+    b, h, _, d = keys.shape
+    if per_head:
+        cent = torch.zeros((b, h, n_groups, 2, d), dtype=dtype, device=keys.device)
+        k_out, v_out = cent[:, :, :n_full, 0], cent[:, :, :n_full, 1]
+    else:
+        cent = torch.zeros((b, n_groups, 2, h, d), dtype=dtype, device=keys.device)
+        k_out = cent[:, :n_full, 0].permute(0, 2, 1, 3)
+        v_out = cent[:, :n_full, 1].permute(0, 2, 1, 3)
+    _group_means_into(k_out, keys, sel, first, group_size)
+    _group_means_into(v_out, values, sel, first, group_size)
+    return cent.view(b * h if per_head else b, n_groups, 2 * d if per_head else 2 * h * d)

@@ -1,6 +1,7 @@
 """Candidate ranks, groups of consecutive candidate tokens (frames, paged blocks), centroids, expansion.
 
-All functions work on ``P`` problems at once with tensor ops only (no Python loop over tokens).
+All functions work on ``P`` problems at once with tensor ops only (no Python loop over tokens), and none reads
+a tensor back to the host except the optional checks of :func:`labelled_group_ids` (one read).
 
 Groups are defined over the *candidate* tokens of a problem, in token order: candidate number ``r``
 (its rank, ``0`` = oldest) belongs to group ``r // group_size``. When the candidates of a request are a
@@ -41,7 +42,7 @@ def group_ids(rank: torch.Tensor, group_size: int) -> torch.Tensor:
     return torch.where(rank >= 0, torch.div(rank, group_size, rounding_mode="floor"), -1)
 
 
-def labelled_group_ids(labels: torch.Tensor, candidates: torch.Tensor, group_size: int
+def labelled_group_ids(labels: torch.Tensor, candidates: torch.Tensor, group_size: int, *, check: bool = True
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """Groups given by labels: each run of candidates sharing a label (non-decreasing) is one group.
 
@@ -53,9 +54,13 @@ def labelled_group_ids(labels: torch.Tensor, candidates: torch.Tensor, group_siz
         ``bool [P, N]``.
     group_size:
         Largest allowed group (candidates per label).
+    check:
+        Check the two preconditions below, with one host read (one synchronisation on a GPU). ``False`` for a
+        caller whose labels guarantee them (the compress step: M-RoPE temporal positions never decrease along
+        a request, and ``group_size`` is its largest frame): nothing is read back.
 
-    Raises ``ValueError`` (naming ``group_index``) when labels decrease along the candidates or a group
-    exceeds ``group_size``.
+    Raises ``ValueError`` (naming ``group_index``), when ``check``, if labels decrease along the candidates or
+    a group exceeds ``group_size``.
 
     Returns
     -------
@@ -67,18 +72,19 @@ def labelled_group_ids(labels: torch.Tensor, candidates: torch.Tensor, group_siz
     """
     low = torch.iinfo(torch.long).min
     seen = torch.cummax(torch.where(candidates, labels, low), dim=-1).values
-    if bool((candidates & (labels < seen)).any()):
-        raise ValueError("group_index: must be non-decreasing along each problem's candidate tokens")
     previous = torch.cat([torch.full_like(seen[:, :1], low), seen[:, :-1]], dim=-1)
     first = candidates & (labels != previous)
     csum = torch.cumsum(first.to(torch.long), dim=-1)
     gid = torch.where(candidates, csum - 1, -1)
     count = csum[:, -1] if labels.shape[-1] else torch.zeros(labels.shape[0], dtype=torch.long,
                                                              device=labels.device)
-    if gid.numel():
+    if check and gid.numel():
         sizes = torch.zeros((labels.shape[0], labels.shape[1] + 1), dtype=torch.long, device=labels.device)
         sizes.scatter_add_(1, torch.where(gid >= 0, gid, labels.shape[1]), candidates.to(torch.long))
-        largest = int(sizes[:, :-1].max())
+        decreasing = (candidates & (labels < seen)).any()
+        decreasing, largest = torch.stack([decreasing.to(torch.long), sizes[:, :-1].max()]).tolist()  # one read
+        if decreasing:
+            raise ValueError("group_index: must be non-decreasing along each problem's candidate tokens")
         if largest > group_size:
             raise ValueError(f"group_index: a group has {largest} candidates, more than group_size={group_size}")
     return gid, count

@@ -19,7 +19,8 @@ class RandomSelector(Selector):
     """Keep ``b`` candidates drawn uniformly at random without replacement.
 
     Idea: the content-blind floor every policy must beat. Each unit gets an i.i.d. uniform score drawn
-    on the CPU (so CPU and CUDA inputs give the same subset) and the ``b`` highest are kept.
+    on the CPU (so CPU and CUDA inputs give the same subset) and the ``b`` highest are kept. The scores
+    reach a CUDA device through pinned memory, without blocking the host.
     Deterministic for a given seed and input shape; the draw covers the whole ``[P, M]`` batch, so
     the subset of one problem depends on how problems are batched.
 
@@ -41,4 +42,7 @@ class RandomSelector(Selector):
             gen = torch.Generator(device="cpu")
             gen.manual_seed(self.seed)
         score = torch.rand(units.valid.shape, generator=gen, device=gen.device, dtype=torch.float64)
-        return top_k_order(score.to(units.valid.device), units.valid, units.k, units.k_max)
+        device = units.valid.device
+        if score.device.type == "cpu" and device.type == "cuda":
+            score = score.pin_memory()  # so that the upload below never waits for the stream
+        return top_k_order(score.to(device, non_blocking=True), units.valid, units.k, units.k_max)

@@ -36,8 +36,15 @@ def check_select_inputs(
     group_size: Any,
     per_head: Any,
     generator: Any,
+    *,
+    check_finite: bool = True,
 ) -> int:
-    """Validate the arguments of :meth:`~cords_vllm.selection.base.Selector.select`; return the budget as an int."""
+    """Validate the arguments of :meth:`~cords_vllm.selection.base.Selector.select`; return the budget as an int.
+
+    Everything is checked on the host except ``check_finite`` (no NaN or inf in ``keys`` / ``values``), which
+    reads two flags back in one host read (a synchronisation on a GPU): ``False`` for a caller whose features
+    are finite by construction.
+    """
     for name, t in (("keys", keys), ("values", values)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -55,10 +62,11 @@ def check_select_inputs(
     b_count, h_count, n_tok, d_head = keys.shape
     if b_count < 1 or h_count < 1 or d_head < 1:
         raise ValueError(f"keys: B, H and D must be >= 1, got shape {tuple(keys.shape)}")
-    for name, t in (("keys", keys), ("values", values)):
-        if t.numel():  # min and max propagate NaN and reach +-inf: one cheap pass, no temporary
-            lo, hi = torch.aminmax(t)
-            if not bool(torch.isfinite(lo) & torch.isfinite(hi)):
+    checked = [(name, t) for name, t in (("keys", keys), ("values", values)) if t.numel()] if check_finite else []
+    if checked:  # min and max propagate NaN and reach +-inf: one cheap pass, no temporary; one host read
+        finite = torch.stack([torch.isfinite(torch.stack(torch.aminmax(t))).all() for _, t in checked]).tolist()
+        for (name, _), ok in zip(checked, finite, strict=True):
+            if not ok:
                 raise ValueError(f"{name}: contains NaN or inf")
 
     if isinstance(budget, bool):

@@ -115,7 +115,7 @@ class _DeviceOnlyNewest(Selector):
     name = "device_only_newest"
 
     def select(self, keys, values, budget, *, candidates=None, granularity="token", group_size=None,
-               group_index=None, per_head=False, generator=None) -> SelectionResult:
+               group_index=None, per_head=False, generator=None, counts=None) -> SelectionResult:
         rank_from_end = candidates.flip(-1).cumsum(-1).flip(-1)
         keep = ~candidates | (candidates & (rank_from_end <= budget))
         return SelectionResult(keep=keep, order=torch.empty(keep.shape[0], 0, dtype=torch.long, device=keep.device),

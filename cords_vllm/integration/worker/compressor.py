@@ -277,6 +277,8 @@ class WorkerCompressor:
         new_ids = torch.arange(base + plan.prev_region_blocks * bs, base + plan.region_blocks * bs, device=self.device)
         granularity = self.config.granularity
         group_size = {"block": bs, "frame": tracker.largest_frame if frames else None}.get(granularity)
+        # No frame_budget: the exact one depends on which frames earlier compressions kept (and trimmed), chosen
+        # on the device; select_exact reads it with the frame count in the compression's one host read.
         return RegionBatch(
             src_slots=slots_of(src, bs), dst_slots=slots_of(kept, bs), new_ids=new_ids, spans=spans_d,
             new_labels=rest[0] if granularity == "frame" and frames else None,
