@@ -33,9 +33,11 @@ compression): host synchronisations per call, whatever the number of layers, anc
   host draw is copied from pinned memory without blocking).
 
 The one exception is an ablation setting: CoRDS with ``novelty="exact"`` reads its saturation flag once per
-greedy step from step ``H * D`` until its residuals vanish (once, on real keys and values). Kernel launches: a
-fixed list per greedy step of the greedy policies (:data:`~cords_vllm.selection.cords.OPS_PER_GREEDY_STEP`),
-one step per kept unit (token granularity) or per kept block or frame, plus a few hundred per call.
+greedy step from step ``H * D`` until its residuals vanish (once in the tests' random caches).
+
+Kernel launches: a fixed list per greedy step of the greedy policies
+(:data:`~cords_vllm.selection.cords.OPS_PER_GREEDY_STEP`: 30 for CoRDS, 22 for k_only / v_only), one step per
+kept token at token granularity, per kept block or frame otherwise, plus a few hundred per call.
 """
 
 from __future__ import annotations
