@@ -14,9 +14,9 @@ def test_the_view_is_built_only_while_a_compressed_request_is_in_the_batch(tiny_
     calls: list[int] = []
     original = attention_view.compact_rows
 
-    def counting(block_table, seq_lens, holes, block_size):
+    def counting(block_table, seq_lens, holes, block_size, *args):
         calls.append(len(holes))
-        return original(block_table, seq_lens, holes, block_size)
+        return original(block_table, seq_lens, holes, block_size, *args)
 
     monkeypatch.setattr(attention_view, "compact_rows", counting)
     text = run_engine(tiny_model, [{"prompt": TEXT_PROMPT}] * 2, "cords", max_tokens=4, budget=256, slack=64)

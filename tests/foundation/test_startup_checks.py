@@ -162,14 +162,21 @@ def test_ubatching_flag_reads_vllms_parallel_config():
 
 def test_runner_v2_reason_follows_vllms_own_rule(tiny_model, monkeypatch):
     """vLLM's ``use_v2_model_runner`` (what its workers read) decides; the reason names the setting."""
+    import vllm.envs as envs
     from vllm.engine.arg_utils import EngineArgs
 
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
-    config = EngineArgs(model=tiny_model, max_model_len=4096).create_engine_config()  # V2 cannot start on CPU
-    assert runner_v2_reason(config) is None
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")  # the rule is read when the workers are built
-    assert config.use_v2_model_runner
-    assert runner_v2_reason(config) == "VLLM_USE_V2_MODEL_RUNNER selects it"
+    cached = envs._is_envs_cache_enabled()  # an engine started earlier in this process caches vLLM's env vars
+    envs.disable_envs_cache()
+    try:
+        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+        config = EngineArgs(model=tiny_model, max_model_len=4096).create_engine_config()  # V2 cannot start on CPU
+        assert runner_v2_reason(config) is None
+        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")  # the rule is read when the workers are built
+        assert config.use_v2_model_runner
+        assert runner_v2_reason(config) == "VLLM_USE_V2_MODEL_RUNNER selects it"
+    finally:
+        if cached:
+            envs.enable_envs_cache()
 
 
 def test_a_pool_smaller_than_one_footprint_names_the_footprints_parts(tiny_model):
