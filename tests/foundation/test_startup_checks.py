@@ -241,3 +241,10 @@ def test_kv_connectors_and_context_parallelism_are_refused_naming_the_flag(tiny_
     cp = type("C", (), {"kv_transfer_config": None,
                         "parallel_config": type("P", (), {"decode_context_parallel_size": 2})()})()
     assert unhooked_settings(cp)[0][0] == "--decode-context-parallel-size 2"
+
+
+@pytest.mark.parametrize("setting", [{"enable_dbo": True}, {"ubatch_size": 2}])
+def test_micro_batching_asked_for_is_refused_on_every_platform(tiny_model, setting):
+    """vLLM's CPU build turns DBO off by itself; asked for with a policy, it is refused all the same (as on CUDA)."""
+    with pytest.raises(KVPolicyConfigError, match=r"does not support micro-batching \(--(enable-dbo|ubatch-size 2)\)"):
+        make_llm(tiny_model, **setting, **kv_policy_args("cords", budget=256))

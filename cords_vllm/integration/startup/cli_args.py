@@ -35,7 +35,7 @@ from cords_vllm.config import (
     KVPolicyConfigError,
     available_policies,
 )
-from cords_vllm.integration.startup.checks import EngineFacts, check_engine
+from cords_vllm.integration.startup.checks import EngineFacts, check_engine, check_engine_settings, ubatching_flag
 from cords_vllm.integration.startup.engine_args import adjust_engine_args
 
 logger = logging.getLogger(__name__)
@@ -119,6 +119,10 @@ def checked_engine_config(engine_args: Any, create: Callable[..., Any], *args: A
     """
     policy = KVPolicyConfig.from_additional_config(engine_args.additional_config)
     changes = adjust_engine_args(engine_args, policy)
+    if policy.enabled:
+        # As asked for, before vLLM or the platform adjusts it (vLLM's CPU build turns DBO off by itself): a setting
+        # the policy does not support is refused on every platform alike, naming the flag.
+        check_engine_settings(policy.policy, ubatching_flag(engine_args), None)
     vllm_config = create(engine_args, *args, **kwargs)
     if policy.enabled:
         check_engine(policy, EngineFacts.from_vllm_config(vllm_config))
