@@ -122,6 +122,9 @@ API_SERVER: tuple[Entry, ...] = (
          why="a live stream is one resumable request fed by an async generator of StreamingInput"),
     Call("vllm.v1.engine.async_llm:AsyncLLM.get_tokenizer", ("self",),
          why="count a stream turn's protected tokens with the served model's tokenizer"),
+    Call("vllm.multimodal.registry:MultiModalRegistry.create_processor", ("self", "model_config"),
+         why="count a pushed clip's video tokens as the served model's processor does, to refuse a push longer "
+             "than --max-model-len before it reaches (and ends) the stream's request"),
     Call("vllm.multimodal.media.image:ImageMediaIO.load_bytes", ("self", "data"),
          why="decode a pushed frame the way vLLM decodes an image_url part"),
     Call("vllm.multimodal.media.video:VideoMediaIO.load_bytes", ("self", "data"),

@@ -95,21 +95,39 @@ def _others_keep_serving(client: StreamClient, other, server) -> None:
 
 def test_a_stream_ends_alone_at_its_limit_and_the_others_keep_serving(server):
     """none: at --max-model-len tokens. cords: the stream passes --max-model-len in tokens and answers (its
-    length is what it holds), and a single push longer than --max-model-len ends it alone."""
+    length is what it holds). Under both, a single push longer than --max-model-len is refused with a 413 and the
+    stream serves on."""
     client = StreamClient(server.base_url, timeout=120)
     other = client.open()
     other.append(clip(seed=100))
     with client.open() as stream:
+        _refused_too_long(stream)
         if server.policy == "none":  # about 66 tokens a clip: past the limit well before the end
             _expect_ended(stream, _push_until_ended(stream, MAX_MODEL_LEN // 64 + 2), "--max-model-len",
                           str(MAX_MODEL_LEN))
         else:
             assert _push_until_ended(stream, 2 * MAX_MODEL_LEN // 64) is None  # 2x --max-model-len in tokens
             assert isinstance(stream.ask("What color was the square?", max_tokens=2), str)
-            # one push of 2,048 video tokens: vLLM's own check of each input ends the stream alone
-            long_clip = make_video(64, 224, 224, seed=7).frames
-            _expect_ended(stream, _push_until_ended(stream, 1, long_clip), "maximum model length", str(MAX_MODEL_LEN))
+            _refused_too_long(stream)
+            assert _push_until_ended(stream, 2) is None
     _others_keep_serving(client, other, server)
+
+
+def _refused_too_long(stream) -> None:
+    """One push of 2,048 video tokens, longer than --max-model-len on its own: refused with a 413 naming the
+    limit and the clip's tokens before the engine sees it; the stream is unchanged and keeps serving."""
+    before = stream.refresh()
+    long_clip = make_video(64, 224, 224, seed=7).frames
+    with pytest.raises(StreamAPIError) as err:
+        stream.append(long_clip)
+    assert err.value.status == 413, err.value
+    assert "--max-model-len" in err.value.message and str(MAX_MODEL_LEN) in err.value.message
+    assert "2048 video tokens" in err.value.message
+    after = stream.refresh()
+    unchanged = ("frames", "clips", "questions", "pending_frames", "text_tokens")
+    assert after["status"] == "idle" and {k: after[k] for k in unchanged} == {k: before[k] for k in unchanged}
+    stream.append(clip(seed=55))
+    assert isinstance(stream.ask("What color was the square?", max_tokens=1), str)
 
 
 def test_a_stream_ends_alone_at_its_rotary_range_and_the_others_keep_serving(short_range_server):

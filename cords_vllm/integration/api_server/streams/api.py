@@ -41,7 +41,7 @@ from cords_vllm.integration.api_server.streams.frames import (
     parse_data_url,
     stack_frames,
 )
-from cords_vllm.integration.api_server.streams.live import LiveStream, StreamEnded
+from cords_vllm.integration.api_server.streams.live import LiveStream, StreamEnded, TurnTooLong
 from cords_vllm.integration.api_server.streams.registry import StreamNotFound, StreamRegistry, TooManyStreams
 from cords_vllm.integration.published import HeldKV, read_published
 
@@ -207,6 +207,8 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         (404, "no such stream"),
         (409, "the push or question could take the stream past its max_text_tokens: refused, the stream is "
               "unchanged"), (410, "the stream has ended (`error.message` says why)"),
+        (413, "too many frames in one push, or a push or question longer than --max-model-len on its own: "
+              "refused, the stream is unchanged"),
         (429, "the cap on open streams is reached, or the KV pool is committed to the open streams"))}
 
 
@@ -274,6 +276,9 @@ async def append_frames(request: Request, stream_id: str) -> Any:
     except TextRoomExceeded as exc:
         raise APIError(409, f"stream {stream_id!r}: {exc}. Nothing was appended; the stream can take no more "
                             f"frames after this answer: open a new stream", "stream_id") from None
+    except TurnTooLong as exc:
+        raise APIError(413, f"stream {stream_id!r}: {exc}. Nothing was appended; the stream is unchanged",
+                       "frames") from None
     return AppendFramesResponse(stream=describe(registry, stream), frames_received=len(frames), frames_sent=sent,
                                 seconds=round(time.perf_counter() - t0, 4))
 
@@ -384,6 +389,9 @@ async def ask(request: Request, stream_id: str, body: AskRequest) -> Any:
     except TextRoomExceeded as exc:
         raise APIError(409, f"stream {stream_id!r}: {exc}. Nothing was asked and the stream is unchanged: ask "
                             f"a shorter question, lower max_tokens, or open a new stream", "question") from None
+    except TurnTooLong as exc:
+        raise APIError(413, f"stream {stream_id!r}: {exc}. Nothing was asked and the stream is unchanged",
+                       "question") from None
     completion_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
     if body.stream:

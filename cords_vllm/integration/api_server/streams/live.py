@@ -33,6 +33,10 @@ class StreamEnded(RuntimeError):
     """The stream's request ended (closed, expired, aborted, or ended by the engine); the message says why."""
 
 
+class TurnTooLong(ValueError):
+    """One turn alone is longer than ``--max-model-len``: refused before the engine sees it, the stream unchanged."""
+
+
 @dataclass
 class TurnOutput:
     """What one turn produced: generated text and token ids so far, and why it ended (``None``: running)."""
@@ -103,11 +107,19 @@ class LiveStream:
         would take the stream past ``text.limit`` is refused (:class:`~cords_vllm.conversation.text_budget.
         TextRoomExceeded`) before the engine sees it, leaving the stream unchanged. ``count_text=None``: no
         check (the engine still enforces its own limit).
+    turn_tokens, max_model_len:
+        ``(prompt text, clip or None) -> (tokens, video tokens)`` of one turn as the engine will count them (its
+        text with the clip's video tokens; the clip is ``[T, H, W, 3]``), and the server's ``--max-model-len``: a
+        turn longer than that on its own is refused (:class:`TurnTooLong`) before the engine sees it, which would
+        otherwise end the stream.
+        ``None``: no check.
     """
 
     def __init__(self, engine: Any, stream_id: str | None = None, *, extra_args: dict[str, Any] | None = None,
                  metadata: dict[str, Any] | None = None, text: TextBudget | None = None,
-                 count_text: Callable[[str], int] | None = None) -> None:
+                 count_text: Callable[[str], int] | None = None,
+                 turn_tokens: Callable[[str, np.ndarray | None], tuple[int, int]] | None = None,
+                 max_model_len: int | None = None) -> None:
         self.engine = engine
         self.id = stream_id or f"stream-{uuid.uuid4().hex[:16]}"
         self.extra_args = extra_args or None
@@ -118,6 +130,8 @@ class LiveStream:
         self.transcript = Transcript()
         self.text = text or TextBudget(None)
         self.count_text = count_text
+        self.turn_tokens = turn_tokens
+        self.max_model_len = max_model_len
         self.ended: str | None = None
         #: The most KV blocks the stream can hold (set by the registry when it admits the stream).
         self.footprint_blocks = 0
@@ -185,13 +199,15 @@ class LiveStream:
                 await generator.aclose()
 
     # ----------------------------------------------------------------------------------------------
-    async def run_turn(self, build: Callable[[Transcript], dict[str, Any]], params: Any, what: str) -> Turn:
+    async def run_turn(self, build: Callable[[Transcript], dict[str, Any]], params: Any, what: str,
+                       clip: np.ndarray | None = None) -> Turn:
         """Queue one turn once the previous one has ended; returns it (read it with :meth:`Turn.deltas`).
 
         ``build`` gives the turn's prompt (``{"prompt": text, ...}``) from the conversation as it stands then,
-        advancing the transcript it is given; ``what`` names the turn in a refusal. Raises
-        :class:`~cords_vllm.conversation.text_budget.TextRoomExceeded` (nothing sent, the stream unchanged) when the
-        turn could take the stream past its text limit, :class:`StreamEnded` when the stream has ended.
+        advancing the transcript it is given; ``what`` names the turn in a refusal; ``clip`` is its video, if any.
+        Raises (nothing sent, the stream unchanged) :class:`~cords_vllm.conversation.text_budget.TextRoomExceeded`
+        when the turn could take the stream past its text limit and :class:`TurnTooLong` when the turn alone is
+        longer than ``--max-model-len``; :class:`StreamEnded` when the stream has ended.
         """
         async with self._slot:
             if self._turn is not None:
@@ -202,6 +218,13 @@ class LiveStream:
 
             transcript = dataclasses.replace(self.transcript)
             prompt = build(transcript)
+            if self.turn_tokens is not None and self.max_model_len is not None:
+                tokens, video = self.turn_tokens(prompt["prompt"], clip)
+                if tokens > self.max_model_len:
+                    raise TurnTooLong(
+                        f"{what} is {tokens} tokens on its own, longer than --max-model-len ({self.max_model_len})"
+                        + (f": its {len(clip)} frames of {clip.shape[2]}x{clip.shape[1]} pixels make {video} video "
+                           "tokens; push fewer or smaller frames" if clip is not None else ""))
             if self.count_text is not None:
                 self.text.admit(self.count_text(prompt["prompt"]), params.max_tokens, what)
             self.transcript = transcript
@@ -233,7 +256,7 @@ class LiveStream:
         if whole:
             try:
                 await self._append_clip(frames[:whole])
-            except TextRoomExceeded:
+            except (TextRoomExceeded, TurnTooLong):
                 self.pending_frames = pending  # the push is refused whole: the stream is as it was
                 raise
         self.stats.frames += received
@@ -241,7 +264,7 @@ class LiveStream:
 
     async def _append_clip(self, clip: np.ndarray) -> None:
         turn = await self.run_turn(lambda t: {"prompt": t.clip(), "multi_modal_data": {"video": clip}},
-                                   self.params(1), "appending frames")
+                                   self.params(1), "this push", clip)
         await turn.wait()
         self.stats.clips += 1
 
@@ -252,7 +275,7 @@ class LiveStream:
             pending, self.pending_frames = self.pending_frames, None
             try:
                 await self._append_clip(np.concatenate([pending, pending]))
-            except TextRoomExceeded:
+            except (TextRoomExceeded, TurnTooLong):
                 self.pending_frames = pending
                 raise
         turn = await self.run_turn(lambda t: {"prompt": t.question(question)},

@@ -68,7 +68,8 @@ class StreamsPlugin:
                                   block_size=vllm_config.cache_config.block_size,
                                   pool_blocks=num_blocks - 1 if num_blocks else None,  # block 0 is the null block
                                   max_model_len=vllm_config.model_config.max_model_len,
-                                  count_text=_text_counter(engine_client, vllm_config, policy))
+                                  count_text=_text_counter(engine_client, vllm_config, policy),
+                                  turn_tokens=_turn_counter(engine_client, vllm_config))
         setattr(state, STATE_KEY, registry)
         capacity = registry.capacity()
         logger.info("cords-vllm: stream API on /v1/streams: idle timeout %g s; a stream holds at most %d KV "
@@ -93,6 +94,38 @@ def _text_counter(engine_client: Any, vllm_config: Any, policy: KVPolicyConfig) 
         return None
     return protected_token_counter(lambda text: tokenizer.encode(text, add_special_tokens=False),
                                    facts.candidate_token_ids(("video",)))
+
+
+def _turn_counter(engine_client: Any, vllm_config: Any) -> Callable[[str, Any], tuple[int, int]] | None:
+    """``(prompt text, clip [T, H, W, 3] or None) -> (tokens, video tokens)`` of a stream turn as the engine counts
+    them: the
+    prompt's tokens with its one video placeholder replaced by the clip's video tokens, counted by the served
+    model's own processing info (``get_num_video_tokens``, with ``--mm-processor-kwargs`` applied). ``None`` when
+    the model offers no such count: the engine then checks each turn's length itself (and ends the stream)."""
+    from vllm.multimodal import MULTIMODAL_REGISTRY
+
+    facts = model_facts_of(vllm_config)
+    placeholder = facts.placeholder_token_ids.get("video")
+    try:
+        tokenizer = engine_client.get_tokenizer()
+        info = MULTIMODAL_REGISTRY.create_processor(vllm_config.model_config).info
+        count_video, image_processor = info.get_num_video_tokens, info.get_image_processor()
+    except Exception as exc:  # a model without a video token count, --skip-tokenizer-init, ...
+        logger.warning("cords-vllm: cannot count a stream turn's tokens (%s: %s): a push longer than "
+                       "--max-model-len ends its stream instead of being refused", type(exc).__name__, exc)
+        return None
+    if tokenizer is None or placeholder is None:
+        return None
+
+    def turn_tokens(prompt: str, clip: Any) -> tuple[int, int]:
+        ids = tokenizer.encode(prompt, add_special_tokens=False)
+        if clip is None:
+            return len(ids), 0
+        frames, height, width = int(clip.shape[0]), int(clip.shape[1]), int(clip.shape[2])
+        video = int(count_video(image_width=width, image_height=height, num_frames=frames,
+                                image_processor=image_processor, mm_kwargs={}))
+        return len(ids) - ids.count(placeholder) + video, video
+    return turn_tokens
 
 
 def make_attach_endpoint_plugins(original: Callable) -> Callable:

@@ -82,7 +82,8 @@ class StreamRegistry:
 
     def __init__(self, engine: Any, limits: StreamLimits, *, policy: KVPolicyConfig | None = None,
                  model_name: str = "", block_size: int = 16, pool_blocks: int | None = None,
-                 max_model_len: int = 1 << 30, count_text: Callable[[str], int] | None = None) -> None:
+                 max_model_len: int = 1 << 30, count_text: Callable[[str], int] | None = None,
+                 turn_tokens: Callable[[str, Any], tuple[int, int]] | None = None) -> None:
         self.engine = engine
         self.limits = limits
         self.policy = policy or KVPolicyConfig()
@@ -91,6 +92,9 @@ class StreamRegistry:
         self.pool_blocks = pool_blocks
         self.max_model_len = max_model_len
         self.count_text = count_text
+        #: ``(prompt text, clip or None) -> (tokens, video tokens)`` of a turn as the engine counts them (``None``:
+        #: unknown).
+        self.turn_tokens = turn_tokens
         self.streams: dict[str, LiveStream] = {}
         self.expired = 0
         #: Why recently removed streams went (bounded), so a late client is told "expired", not "unknown".
@@ -138,7 +142,7 @@ class StreamRegistry:
         limit = self.text_limit(overrides)
         stream = LiveStream(self.engine, extra_args={REQUEST_OVERRIDES_KEY: overrides} if overrides else None,
                             text=TextBudget(limit), count_text=self.count_text if limit is not None else None,
-                            **kwargs)
+                            turn_tokens=self.turn_tokens, max_model_len=self.max_model_len, **kwargs)
         stream.footprint_blocks = footprint
         self.streams[stream.id] = stream
         self._ensure_reaper()
