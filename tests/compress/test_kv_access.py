@@ -21,10 +21,11 @@ if torch.cpu._is_amx_tile_supported():
     ISAS.append(("amx", torch.bfloat16))
 
 
-def layer_views(layout: KVCacheLayout) -> list[torch.Tensor]:
+def layer_views(layout: KVCacheLayout, dtype: torch.dtype = torch.float32, blocks: int = BLOCKS,
+                block_size: int = BS) -> list[torch.Tensor]:
     """Per-layer logical ``[N, H, bs, 2D]`` views over one physical tensor in ``layout``'s stride order."""
-    logical = (LAYERS, BLOCKS, HEADS, BS, 2 * D)  # [L, B, H, N, C]
-    physical = torch.zeros(tuple(logical[i] for i in layout.stride_order))
+    logical = (LAYERS, blocks, HEADS, block_size, 2 * D)  # [L, B, H, N, C]
+    physical = torch.zeros(tuple(logical[i] for i in layout.stride_order), dtype=dtype)
     inverse = [layout.stride_order.index(i) for i in range(5)]
     view = physical.permute(*inverse)
     assert view.shape == logical

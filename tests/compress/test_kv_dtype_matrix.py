@@ -27,24 +27,16 @@ from cords_vllm.compress.kv_codec import (
 )
 from cords_vllm.compress.step import RegionBatch, SelectionSetup, compress_region
 from cords_vllm.selection import get_selector
-from tests.compress.test_kv_access import D, backend_reads
+from tests.compress.test_kv_access import HEADS, LAYERS, D, backend_reads, layer_views
 
-LAYERS, BLOCKS, HEADS, BS = 3, 12, 2, 8
+BLOCKS, BS = 12, 8
 TEXT, FRAME, REGION_BLOCKS, KEEP_BLOCKS = 3, 8, 8, 3
 #: Storage dtype vLLM allocates per --kv-cache-dtype (the model is bf16: ``auto`` stores bf16).
 STORAGE = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "float16": torch.float16, "fp8": torch.uint8,
            "fp8_e4m3": torch.uint8, "fp8_e5m2": torch.uint8}
 
 
-def _layer_views(layout: KVCacheLayout, dtype: torch.dtype) -> list[torch.Tensor]:
-    """Per-layer logical ``[N, H, bs, 2D]`` views over one physical tensor in ``layout``'s stride order."""
-    logical = (LAYERS, BLOCKS, HEADS, BS, 2 * D)
-    physical = torch.zeros(tuple(logical[i] for i in layout.stride_order), dtype=dtype)
-    view = physical.permute(*[layout.stride_order.index(i) for i in range(5)])
-    return [view[layer] for layer in range(LAYERS)]
-
-
-def _scales(kv_cache_dtype: str, per_head: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _scales(per_head: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer ``(k_scale, v_scale)`` as vLLM keeps them (float32 device tensors), distinct per layer."""
     shape = (HEADS,) if per_head else ()
     return [(torch.full(shape, 0.05 * (layer + 1)) * (torch.arange(HEADS) + 1 if per_head else 1),
@@ -90,8 +82,8 @@ LAYOUTS = [(b, lay) for b in ("flash_attn", "flashinfer", "triton_attn") for lay
 def test_compress_step_over_every_layout_and_kv_dtype(backend: str, layout: KVCacheLayout, kv_cache_dtype: str,
                                                       per_head_scale: bool, granularity: str) -> None:
     fp8 = kv_cache_dtype in FP8_KV_CACHE_DTYPES
-    views = _layer_views(layout, STORAGE[kv_cache_dtype])
-    scales = _scales(kv_cache_dtype, per_head_scale)
+    views = layer_views(layout, STORAGE[kv_cache_dtype], BLOCKS, BS)
+    scales = _scales(per_head_scale)
     _fill(views, kv_cache_dtype, scales)
     codecs = [codec_for(kv_cache_dtype, *s) for s in scales]
     before = [v.clone() for v in views]

@@ -145,7 +145,8 @@ def check_engine_settings(policy: str, ubatching: str | None, runner_v2: str | N
         raise KVPolicyConfigError(
             f"--kv-policy {policy} needs vLLM's V1 model runner, but Model Runner V2 would be built: {runner_v2}. "
             f"Remove that setting (and VLLM_USE_V2_MODEL_RUNNER=1), or serve with --kv-policy none")
-    for flag, why in unhooked:
+    if unhooked:  # the first such setting; the message names it
+        flag, why = unhooked[0]
         raise KVPolicyConfigError(f"--kv-policy {policy} does not support {flag}: {why}. Remove {flag.split()[0]}, "
                                   "or serve with --kv-policy none")
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from cords_vllm.compress.kv_access import CPUTileAccessor, KVAccessor, PagedAccessor
-from cords_vllm.compress.kv_codec import FP8_KV_CACHE_DTYPES, KVCodec, PlainCodec, codec_for
+from cords_vllm.compress.kv_codec import FP8_KV_CACHE_DTYPES, KVCodec, codec_for
 
 #: Values the layout probe writes for a 0 bit and a 1 bit (exact in every KV dtype, fp8 included).
 _BIT_VALUES = (1.0, 2.0)
@@ -113,7 +113,7 @@ def codec_for_layer(layer: Any) -> KVCodec:
     (``_k_scale_float``), the GPU backends' device tensors (``_k_scale``, read when decoding)."""
     kv_cache_dtype = kv_cache_dtype_of(layer)
     if kv_cache_dtype not in FP8_KV_CACHE_DTYPES:
-        return codec_for(kv_cache_dtype) if kv_cache_dtype != "auto" else PlainCodec()
+        return codec_for(kv_cache_dtype)
     if _isa(layer) is not None:
         scales = (float(getattr(layer, "_k_scale_float", 1.0)), float(getattr(layer, "_v_scale_float", 1.0)))
     else:

@@ -21,6 +21,7 @@ from cords_vllm.conversation.text_budget import protected_token_counter
 from cords_vllm.integration.api_server.streams.api import STATE_KEY, APIError, router
 from cords_vllm.integration.api_server.streams.registry import StreamLimits, StreamRegistry
 from cords_vllm.integration.engine_facts import model_facts_of
+from cords_vllm.model_facts import ModelFacts
 
 logger = logging.getLogger(__name__)
 
@@ -64,12 +65,13 @@ class StreamsPlugin:
         model = names[0] if names else vllm_config.model_config.model
         num_blocks = vllm_config.cache_config.num_gpu_blocks
         policy = KVPolicyConfig.from_vllm_config(vllm_config)
+        encode, facts = _encoder(engine_client), model_facts_of(vllm_config)
         registry = StreamRegistry(engine_client, limits_from_args(args), policy=policy, model_name=model,
                                   block_size=vllm_config.cache_config.block_size,
                                   pool_blocks=num_blocks - 1 if num_blocks else None,  # block 0 is the null block
                                   max_model_len=vllm_config.model_config.max_model_len,
-                                  count_text=_text_counter(engine_client, vllm_config, policy),
-                                  turn_tokens=_turn_counter(engine_client, vllm_config))
+                                  count_text=_text_counter(encode, facts),
+                                  turn_tokens=_turn_counter(encode, facts, vllm_config))
         setattr(state, STATE_KEY, registry)
         capacity = registry.capacity()
         logger.info("cords-vllm: stream API on /v1/streams: idle timeout %g s; a stream holds at most %d KV "
@@ -78,47 +80,56 @@ class StreamsPlugin:
                     capacity["pool_blocks"], registry.limits.max_streams)
 
 
-def _text_counter(engine_client: Any, vllm_config: Any, policy: KVPolicyConfig) -> Callable[[str], int] | None:
-    """``text -> protected tokens`` of a stream turn's prompt with the served model's tokenizer: every token but
-    the candidates' placeholders and vision markers, which the engine evicts with the clip (the same
-    :class:`~cords_vllm.model_facts.ModelFacts` the scheduler reads); ``None`` without a tokenizer or a video
-    placeholder: the engine alone enforces the text limit."""
-    facts = model_facts_of(vllm_config)
+def _encoder(engine_client: Any) -> Callable[[str], list[int]] | None:
+    """``text -> token ids`` with the served model's tokenizer (no special tokens added), or ``None`` without one
+    (e.g. ``--skip-tokenizer-init``)."""
     try:
         tokenizer = engine_client.get_tokenizer()
     except Exception:  # e.g. --skip-tokenizer-init
         tokenizer = None
-    if tokenizer is None or "video" not in facts.placeholder_token_ids:
+    if tokenizer is None:
+        return None
+    return lambda text: tokenizer.encode(text, add_special_tokens=False)
+
+
+def _text_counter(encode: Callable[[str], list[int]] | None, facts: ModelFacts) -> Callable[[str], int] | None:
+    """``text -> protected tokens`` of a stream turn's prompt: every token but the candidates' placeholders and
+    vision markers, which the engine evicts with the clip (the same :class:`~cords_vllm.model_facts.ModelFacts` the
+    scheduler reads); ``None`` without a tokenizer or a video placeholder: the engine alone enforces the text
+    limit."""
+    if encode is None or "video" not in facts.placeholder_token_ids:
         logger.warning("cords-vllm: no tokenizer or video token id: streams past max_text_tokens are ended by "
                        "the engine instead of refused")
         return None
-    return protected_token_counter(lambda text: tokenizer.encode(text, add_special_tokens=False),
-                                   facts.candidate_token_ids(("video",)))
+    return protected_token_counter(encode, facts.candidate_token_ids(("video",)))
 
 
-def _turn_counter(engine_client: Any, vllm_config: Any) -> Callable[[str, Any], tuple[int, int]] | None:
+def _turn_counter(encode: Callable[[str], list[int]] | None, facts: ModelFacts, vllm_config: Any
+                  ) -> Callable[[str, Any], tuple[int, int]] | None:
     """``(prompt text, clip [T, H, W, 3] or None) -> (tokens, video tokens)`` of a stream turn as the engine counts
-    them: the
-    prompt's tokens with its one video placeholder replaced by the clip's video tokens, counted by the served
-    model's own processing info (``get_num_video_tokens``, with ``--mm-processor-kwargs`` applied). ``None`` when
-    the model offers no such count: the engine then checks each turn's length itself (and ends the stream)."""
+    them: the prompt's tokens with its one video placeholder replaced by the clip's video tokens, counted by the
+    served model's own processing info (``get_num_video_tokens``, with ``--mm-processor-kwargs`` applied).
+    ``None`` when the model offers no such count: the engine then checks each turn's length itself (and ends the
+    stream)."""
     from vllm.multimodal import MULTIMODAL_REGISTRY
 
-    facts = model_facts_of(vllm_config)
     placeholder = facts.placeholder_token_ids.get("video")
+    if placeholder is None:
+        return None
+    if encode is None:
+        logger.warning("cords-vllm: no tokenizer: a push longer than --max-model-len ends its stream instead of "
+                       "being refused")
+        return None
     try:
-        tokenizer = engine_client.get_tokenizer()
         info = MULTIMODAL_REGISTRY.create_processor(vllm_config.model_config).info
         count_video, image_processor = info.get_num_video_tokens, info.get_image_processor()
-    except Exception as exc:  # a model without a video token count, --skip-tokenizer-init, ...
+    except Exception as exc:  # a model without a video token count
         logger.warning("cords-vllm: cannot count a stream turn's tokens (%s: %s): a push longer than "
                        "--max-model-len ends its stream instead of being refused", type(exc).__name__, exc)
         return None
-    if tokenizer is None or placeholder is None:
-        return None
 
     def turn_tokens(prompt: str, clip: Any) -> tuple[int, int]:
-        ids = tokenizer.encode(prompt, add_special_tokens=False)
+        ids = encode(prompt)
         if clip is None:
             return len(ids), 0
         frames, height, width = int(clip.shape[0]), int(clip.shape[1]), int(clip.shape[2])
