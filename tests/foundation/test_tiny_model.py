@@ -45,7 +45,23 @@ def test_tokenizer_and_config_agree(tiny_model):
 
 
 @pytest.mark.parametrize("kwargs", [{"head_dim": 40}, {"num_heads": 3}, {"num_layers": 0},
-                                    {"vocab_size": 100}, {"dtype": "float16"}])
+                                    {"vocab_size": 100}, {"dtype": "float16"}, {"family": "llama"}])
 def test_bad_spec_is_rejected(kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         TinyModelSpec(**kwargs)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_each_family_builds_its_real_architecture(tmp_path, family):
+    from transformers import AutoConfig, AutoProcessor
+
+    from cords_vllm.lab.synthetic import build_tiny_model
+
+    spec = TinyModelSpec(family=family, num_layers=1, dtype="float32")
+    path = build_tiny_model(spec, cache_dir=tmp_path)
+    config = AutoConfig.from_pretrained(path)
+    assert config.model_type == family
+    assert path.name.startswith(f"tiny-{family.replace('_', '')}-")
+    assert TinyModelSpec(family=family).cache_key() != TinyModelSpec().cache_key()
+    processor = AutoProcessor.from_pretrained(path)
+    assert processor.tokenizer.convert_tokens_to_ids("<|video_pad|>") == config.video_token_id

@@ -45,17 +45,7 @@ def candidate_spans(request: Any, facts: ModelFacts, modalities: Collection[str]
         if feature.modality not in modalities:
             continue
         pos = feature.mm_position
-        if pos.is_embed is None:
-            spans.append((pos.offset, pos.offset + pos.length))
-            continue
-        run_start = None
-        flags = pos.is_embed.tolist()
-        for i, embed in enumerate([*flags, False]):
-            if embed and run_start is None:
-                run_start = i
-            elif not embed and run_start is not None:
-                spans.append((pos.offset + run_start, pos.offset + i))
-                run_start = None
+        spans.extend((pos.offset + first, pos.offset + first + n) for first, n in _embed_runs(pos))
     markers = facts.vision_markers
     if markers and spans:
         tokens = request.prompt_token_ids or ()
@@ -63,6 +53,21 @@ def candidate_spans(request: Any, facts: ModelFacts, modalities: Collection[str]
                   end + (end < len(tokens) and tokens[end] in markers)) for start, end in spans]
     return CandidateSpans(tuple(sorted((max(start, floor), end) for start, end in spans if end > floor)))
 
+
+
+def _embed_runs(position: Any) -> list[tuple[int, int]]:
+    """``(first, length)`` of each run of embedded tokens in a placeholder range (one run if it has no mask)."""
+    if position.is_embed is None:
+        return [(0, position.length)]
+    runs: list[tuple[int, int]] = []
+    run_start = None
+    for i, embed in enumerate([*position.is_embed.tolist(), False]):
+        if embed and run_start is None:
+            run_start = i
+        elif not embed and run_start is not None:
+            runs.append((run_start, i - run_start))
+            run_start = None
+    return runs
 
 
 def _field(data: Any, key: str) -> Any:
@@ -73,7 +78,10 @@ def _field(data: Any, key: str) -> Any:
 def grids_of(features: Any, facts: ModelFacts, start: int = 0) -> list[Grid]:
     """The :class:`~cords_vllm.compress.positions.Grid` of each multimodal input (``features``: vLLM
     ``MultiModalFeatureSpec``), offsets relative to token ``start``; read as vLLM 0.32's Qwen-VL models read
-    them (``iter_mm_grid_thw``).
+    them (``iter_mm_grid_thw``; Qwen3-VL's ``_iter_mm_grid_hw``).
+
+    An input whose placeholder has an ``is_embed`` mask with several runs (Qwen3-VL: each frame's tokens after
+    its timestamp text) is one ``1 x h x w`` grid per run, the text between them counted as text.
 
     Raises ``ValueError`` for an input whose grid the engine core was not sent (its positions cannot be counted).
     """
@@ -85,6 +93,15 @@ def grids_of(features: Any, facts: ModelFacts, start: int = 0) -> list[Grid]:
             raise ValueError(f"a {feature.modality} input reached the engine core without its grid: its positions "
                              "cannot be counted")
         t, h, w = (int(x) for x in thw.tolist())
+        runs = _embed_runs(feature.mm_position)
+        if len(runs) > 1:
+            per_run = h * w // merge**2
+            if len(runs) != t or any(n != per_run for _, n in runs):
+                raise ValueError(f"a {feature.modality} input's {len(runs)} placeholder runs do not match its "
+                                 f"{t} x {per_run}-token grid: its positions cannot be counted")
+            offset = feature.mm_position.offset - start
+            grids.extend(Grid(offset + first, 1, h // merge, w // merge) for first, _ in runs)
+            continue
         factor = 1.0
         if feature.modality == "video":
             per_grid = _field(feature.data, "second_per_grid_ts")

@@ -1,4 +1,6 @@
-"""An independent HF transformers reference for Qwen2-VL, with optional KV eviction (fp32 comparisons).
+"""An independent HF transformers reference for the Qwen-VL families, with optional KV eviction (fp32 comparisons).
+
+Qwen2-VL, Qwen2.5-VL and Qwen3-VL: the family is read from the checkpoint (``AutoModelForImageTextToText``).
 
 The reference prefills a prompt chunk by chunk, can drop tokens from each layer's (and each KV head's)
 cache before any chunk, and decodes greedily (or teacher-forced with another run's tokens), returning the
@@ -8,7 +10,10 @@ the compressed engine.
 
 Positions follow vLLM, not transformers: vLLM's ``get_mrope_input_positions`` starts the text after a video
 at ``max(vision positions) + 1``, while transformers 5.19's ``get_rope_index`` advances by a different amount
-(the two agree only when the video's ``T == H / merge``). Evicted tokens keep their original positions: the
+(the two agree only when the video's ``T == H / merge``). Qwen2.5-VL's temporal coordinates are scaled by
+``second_per_grid_t * tokens_per_second`` (absolute time); Qwen3-VL writes each frame's timestamp as text, so
+each frame is its own ``1 x h x w`` grid after its timestamp tokens, and its deepstack features are added to the
+first layers' hidden states chunk by chunk as the engine does. Evicted tokens keep their original positions: the
 cache stores keys after rotary embedding, so gathering kept entries is all eviction needs.
 """
 
@@ -21,15 +26,17 @@ import numpy as np
 import torch
 
 
-def vllm_mrope_positions(input_ids: Sequence[int], grids: Mapping[int, Sequence[Sequence[int]]],
+def vllm_mrope_positions(input_ids: Sequence[int], grids: Mapping[int, Sequence[Sequence[float]]],
                          spatial_merge_size: int) -> tuple[torch.Tensor, int]:
-    """Qwen2-VL M-RoPE position ids as vLLM computes them, for a prompt with any images and videos.
+    """Qwen-VL M-RoPE position ids as vLLM computes them, for a prompt with any images and videos.
 
     ``grids`` maps each placeholder token id (the image pad, the video pad) to the ``(t, h, w)`` patch grids
-    of that modality's inputs, in prompt order (a processor's ``image_grid_thw`` / ``video_grid_thw``). An
-    input's tokens get ``(t, h, w)`` grid positions offset by the position after the text before it (an
-    image is a grid with ``t == 1``, so every image has its own temporal position); text after an input
-    starts at ``max(its positions) + 1``.
+    of that modality's inputs, in prompt order (a processor's ``image_grid_thw`` / ``video_grid_thw``), one per
+    contiguous run of the placeholder; a grid may carry a fourth value, its temporal factor (Qwen2.5-VL:
+    ``second_per_grid_t * tokens_per_second``; default 1). An input's tokens get ``(t * factor, h, w)`` grid
+    positions (the temporal one truncated to an integer) offset by the position after the text before it (an
+    image is a grid with ``t == 1``, so every image has its own temporal position); text after an input starts
+    at ``max(its positions) + 1``.
 
     Returns ``(positions [3, L] int64, delta)`` where decode step ``t`` (0-based, after the prompt) uses
     position ``L + t + delta`` on all three axes.
@@ -48,14 +55,17 @@ def vllm_mrope_positions(input_ids: Sequence[int], grids: Mapping[int, Sequence[
         token = int(ids[first])
         if not queues[token]:
             raise ValueError(f"more inputs of placeholder token {token} in the prompt than grids")
-        t, h, w = queues[token].pop(0)
-        hh, ww = h // spatial_merge_size, w // spatial_merge_size
+        t, h, w, *factor = queues[token].pop(0)
+        t, hh, ww = int(t), int(h) // spatial_merge_size, int(w) // spatial_merge_size
         n = t * hh * ww
         if not np.all(ids[first:first + n] == token):
             raise ValueError(f"an input of placeholder token {token} has fewer than its grid's {n} tokens")
         text_len = first - start
         parts.append(np.broadcast_to(np.arange(text_len) + next_pos, (3, text_len)))
-        grid = np.indices((t, hh, ww)).reshape(3, -1) + next_pos + text_len
+        indices = np.indices((t, hh, ww))
+        if factor and float(factor[0]) != 1.0:
+            indices[0] = (indices[0] * float(factor[0])).astype(np.int64)
+        grid = indices.reshape(3, -1) + next_pos + text_len
         parts.append(grid)
         next_pos = int(grid.max()) + 1
         start = first + n
@@ -87,15 +97,41 @@ class ReferenceResult:
     kept_logical: list[torch.Tensor] = field(default_factory=list)
 
 
-class HFQwen2VLReference:
-    """An HF ``Qwen2VLForConditionalGeneration`` in fp32 plus its processor, loaded from a local checkpoint."""
+@dataclass
+class Encoded:
+    """A prompt as the language model takes it.
 
-    def __init__(self, model_dir: str, dtype: torch.dtype = torch.float32) -> None:
-        from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
+    ``ids`` ``[L]``; ``embeds`` ``[1, L, hidden]``; ``positions`` ``[3, L]``; ``delta``: decode step ``t`` takes
+    position ``L + t + delta``; ``visual`` ``[L]`` bool, the placeholder tokens (Qwen3-VL); ``deepstack``: per
+    early layer, ``[n_visual, hidden]`` features added to that layer's output at the placeholder rows (Qwen3-VL),
+    else ``None``.
+    """
+
+    ids: torch.Tensor
+    embeds: torch.Tensor
+    positions: torch.Tensor
+    delta: int
+    visual: torch.Tensor | None = None
+    deepstack: list[torch.Tensor] | None = None
+
+
+class HFReference:
+    """An HF Qwen-VL model (``Qwen2VL``, ``Qwen2_5_VL``, ``Qwen3VL`` ``ForConditionalGeneration``) in fp32 plus its
+    processor, loaded from a local checkpoint.
+
+    Videos are given to the processor with ``fps`` (metadata, as the engine gets it: Qwen2.5-VL's temporal
+    positions and Qwen3-VL's timestamps depend on it) and never re-sampled.
+    """
+
+    def __init__(self, model_dir: str, dtype: torch.dtype = torch.float32, fps: float = 2.0) -> None:
+        from transformers import AutoModelForImageTextToText, AutoProcessor
 
         self.processor = AutoProcessor.from_pretrained(model_dir)
-        self.model = Qwen2VLForConditionalGeneration.from_pretrained(model_dir, dtype=dtype).eval()
+        self.model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=dtype).eval()
         self.config = self.model.config
+        self.fps = fps
+        #: Qwen3-VL: each frame is its own grid after its timestamp text.
+        self.frames_as_grids = self.config.model_type.startswith("qwen3")
 
     def encode(self, prompt: str, video: np.ndarray | Sequence[np.ndarray] | None = None, *,
                images: Sequence[np.ndarray] | None = None
@@ -106,25 +142,61 @@ class HFQwen2VLReference:
         stream); ``images`` are ``[H, W, 3]`` images in prompt order. Images and videos may interleave in the
         prompt. Returns ``(input_ids [L], inputs_embeds [1, L, hidden], positions [3, L], mrope_delta)``.
         """
+        enc = self.encoded(prompt, video, images=images)
+        return enc.ids, enc.embeds, enc.positions, enc.delta
+
+    def encoded(self, prompt: str, video: np.ndarray | Sequence[np.ndarray] | None = None, *,
+                images: Sequence[np.ndarray] | None = None) -> Encoded:
+        """:meth:`encode` with the deepstack inputs (:class:`Encoded`)."""
         videos = None if video is None else list(video) if isinstance(video, list | tuple) else [video]
         images = list(images) if images else None
-        enc = self.processor(text=[prompt], videos=videos, images=images, return_tensors="pt")
+        kwargs: dict = {}
+        if videos:
+            kwargs = {"video_metadata": [{"fps": self.fps, "total_num_frames": len(v), "duration": len(v) / self.fps,
+                                          "frames_indices": list(range(len(v)))} for v in videos],
+                      "do_sample_frames": False}
+        enc = self.processor(text=[prompt], videos=videos, images=images, return_tensors="pt", **kwargs)
         ids = enc["input_ids"]
+        cfg = self.config
         grids: dict[int, list] = {}
+        visual = torch.zeros_like(ids[0], dtype=torch.bool)
+        deep: dict[int, list[torch.Tensor]] = {}
         with torch.no_grad():
             emb = self.model.model.get_input_embeddings()(ids)
-            if videos:
-                feats = self.model.model.get_video_features(enc["pixel_values_videos"], enc["video_grid_thw"],
-                                                            return_dict=True)
-                emb = self._scatter(emb, ids, self.config.video_token_id, feats.pooler_output)
-                grids[self.config.video_token_id] = enc["video_grid_thw"].tolist()
-            if images:
-                feats = self.model.model.get_image_features(enc["pixel_values"], enc["image_grid_thw"],
-                                                            return_dict=True)
-                emb = self._scatter(emb, ids, self.config.image_token_id, feats.pooler_output)
-                grids[self.config.image_token_id] = enc["image_grid_thw"].tolist()
-        pos, delta = vllm_mrope_positions(ids[0].tolist(), grids, self.config.vision_config.spatial_merge_size)
-        return ids[0], emb, pos, delta
+            for token, pixels, thw, features in (
+                    (cfg.video_token_id, "pixel_values_videos", "video_grid_thw", self.model.model.get_video_features),
+                    (cfg.image_token_id, "pixel_values", "image_grid_thw", self.model.model.get_image_features)):
+                if thw not in enc:
+                    continue
+                feats = features(enc[pixels], enc[thw], return_dict=True)
+                emb = self._scatter(emb, ids, token, feats.pooler_output)
+                visual |= ids[0] == token
+                if getattr(feats, "deepstack_features", None):
+                    deep[token] = [torch.cat(list(f), 0) for f in feats.deepstack_features]
+                grids[token] = self._grids(enc, thw)
+        pos, delta = vllm_mrope_positions(ids[0].tolist(), grids, cfg.vision_config.spatial_merge_size)
+        deepstack = None
+        if deep:  # one row per placeholder token in prompt order (images and videos interleaved)
+            layers = len(next(iter(deep.values())))
+            kinds = ids[0][visual]
+            deepstack = []
+            for layer in range(layers):
+                rows = torch.zeros(int(visual.sum()), emb.shape[-1], dtype=emb.dtype)
+                for token, feats in deep.items():
+                    rows[kinds == token] = feats[layer].to(emb.dtype)
+                deepstack.append(rows)
+        return Encoded(ids[0], emb, pos, delta, visual if deepstack else None, deepstack)
+
+    def _grids(self, enc: Mapping, thw_key: str) -> list[list[float]]:
+        """One grid per contiguous placeholder run: ``(t, h, w[, t_factor])``."""
+        thw = enc[thw_key].tolist()
+        if self.frames_as_grids and thw_key == "video_grid_thw":
+            return [[1, h, w] for t, h, w in thw for _ in range(t)]
+        per_grid = enc.get("second_per_grid_ts") if thw_key == "video_grid_thw" else None
+        per_second = getattr(self.config.vision_config, "tokens_per_second", None)
+        if per_grid is None or per_second is None:
+            return thw
+        return [[t, h, w, float(s) * per_second] for (t, h, w), s in zip(thw, per_grid.tolist(), strict=True)]
 
     @staticmethod
     def _scatter(emb: torch.Tensor, ids: torch.Tensor, token: int, features: Sequence[torch.Tensor]
@@ -156,8 +228,9 @@ class HFQwen2VLReference:
             Teacher-forced continuation (e.g. the engine's output); default: the reference's own greedy
             tokens.
         """
-        ids, emb, pos, delta = self.encode(prompt, video, images=images)
-        length = int(ids.numel())
+        enc = self.encoded(prompt, video, images=images)
+        emb, pos, delta = enc.embeds, enc.positions, enc.delta
+        length = int(enc.ids.numel())
         chunks = list(chunk_sizes) if chunk_sizes is not None else [length]
         if sum(chunks) != length or any(c <= 0 for c in chunks):
             raise ValueError(f"chunk_sizes must be positive and sum to the prompt length {length}")
@@ -179,7 +252,7 @@ class HFQwen2VLReference:
             if start in evictions:
                 self._evict(cache, held, evictions[start])
             out = lm(inputs_embeds=emb[:, start:start + n], position_ids=pos[:, None, start:start + n],
-                     past_key_values=cache, use_cache=True)
+                     past_key_values=cache, use_cache=True, **self._deepstack(enc, start, n))
             new = torch.arange(start, start + n).expand(num_kv, n)
             held = [torch.cat([h, new], dim=1) for h in held]
             start += n
@@ -195,6 +268,16 @@ class HFQwen2VLReference:
             logits.append(self.model.lm_head(out.last_hidden_state[0, -1]).float())
             tokens.append(int(logits[-1].argmax()))
         return ReferenceResult(token_ids=tokens, logits=torch.stack(logits), kept_logical=kept_at_prompt_end)
+
+    @staticmethod
+    def _deepstack(enc: Encoded, start: int, n: int) -> dict:
+        """The deepstack arguments of the chunk ``[start, start + n)`` (none when the model has none)."""
+        if enc.deepstack is None:
+            return {}
+        mask = enc.visual[start:start + n]
+        first = int(enc.visual[:start].sum())
+        rows = slice(first, first + int(mask.sum()))
+        return {"visual_pos_masks": mask[None], "deepstack_visual_embeds": [d[rows] for d in enc.deepstack]}
 
     @staticmethod
     def _evict(cache, held: list[torch.Tensor], keep_per_layer: Sequence[torch.Tensor]) -> None:
@@ -214,3 +297,7 @@ class HFQwen2VLReference:
             entry.keys = torch.gather(entry.keys, 2, gather).contiguous()
             entry.values = torch.gather(entry.values, 2, gather).contiguous()
             held[layer] = torch.gather(h, 1, index)
+
+
+#: The name from before other families (the class reads the family from the checkpoint).
+HFQwen2VLReference = HFReference

@@ -1,10 +1,10 @@
-"""Inputs that need no download: a tiny Qwen2-VL checkpoint, synthetic videos and synthetic KV caches.
+"""Inputs that need no download: tiny Qwen-VL checkpoints, synthetic videos and synthetic KV caches.
 
 The demo, the benchmarks, the examples and the tests all build on these. :mod:`cords_vllm.lab.synthetic.kv`
 (which needs torch) is not re-exported here; import :func:`cords_vllm.lab.synthetic.kv.make_synthetic_kv` from it.
 """
 
-from cords_vllm.lab.synthetic.tiny_model import TinyModelSpec, build_tiny_qwen2vl, default_cache_dir
+from cords_vllm.lab.synthetic.tiny_model import TinyModelSpec, build_tiny_model, build_tiny_qwen2vl, default_cache_dir
 from cords_vllm.lab.synthetic.video import (
     NEEDLE_COLOURS,
     SyntheticVideo,
@@ -19,6 +19,7 @@ __all__ = [
     "NEEDLE_COLOURS",
     "SyntheticVideo",
     "TinyModelSpec",
+    "build_tiny_model",
     "build_tiny_qwen2vl",
     "default_cache_dir",
     "encode_mp4",

@@ -1,9 +1,10 @@
-"""A deterministic, tiny, randomly initialised Qwen2-VL checkpoint built fully offline.
+"""A deterministic, tiny, randomly initialised Qwen-VL checkpoint built fully offline.
 
-The checkpoint has the real Qwen2-VL architecture (the one ``vllm serve Qwen/Qwen2-VL-7B-Instruct`` runs), a
-byte-level BPE tokenizer trained on a corpus generated here, Qwen2-VL's special tokens, an image/video
-processor and a chat template that accepts OpenAI ``video_url`` / ``image_url`` parts. vLLM serves it and HF
-transformers runs it, so the two can be compared token for token.
+The checkpoint has the real architecture of its family (:data:`~cords_vllm.lab.synthetic.families.FAMILIES`:
+Qwen2-VL, the one ``vllm serve Qwen/Qwen2-VL-7B-Instruct`` runs, Qwen2.5-VL and Qwen3-VL), a byte-level BPE
+tokenizer trained on a corpus generated here, the Qwen-VL special tokens, the family's image/video processor and
+a chat template that accepts OpenAI ``video_url`` / ``image_url`` parts. vLLM serves it and HF transformers runs
+it, so the two can be compared token for token.
 
 Builds are cached in a directory keyed by a hash of :class:`TinyModelSpec` (and a format version), so the
 same spec is built once per machine and reused. Concurrent builders are safe: each builds into a private
@@ -81,23 +82,16 @@ def _corpus(num_lines: int = 4000, seed: int = 1234) -> list[str]:
     return lines
 
 
-def _mrope_section(head_dim: int) -> list[int]:
-    """Qwen2-VL's M-RoPE split (t, h, w) of the ``head_dim / 2`` rotary frequencies.
-
-    Qwen2-VL-7B uses ``[16, 24, 24]`` for ``head_dim = 128``; the same 2:3:3 proportions are kept here.
-    """
-    half = head_dim // 2
-    t = half // 4
-    h = (half - t) // 2
-    return [t, h, half - t - h]
-
-
 @dataclass(frozen=True)
 class TinyModelSpec:
-    """Geometry and contents of a tiny Qwen2-VL checkpoint.
+    """Geometry and contents of a tiny Qwen-VL checkpoint.
 
     Attributes
     ----------
+    family:
+        The architecture (:data:`~cords_vllm.lab.synthetic.families.FAMILIES`): ``"qwen2_vl"`` (default),
+        ``"qwen2_5_vl"`` or ``"qwen3_vl"``. Vision geometry follows the family (patch 14 for the Qwen2 families,
+        16 for Qwen3-VL).
     num_layers, num_heads, num_kv_heads, head_dim:
         Text decoder geometry; ``hidden_size = num_heads * head_dim``. ``head_dim`` must be a multiple of 16
         (M-RoPE sections) and a head size the attention backend supports (vLLM CPU: 32, 64, 80, 96, 112,
@@ -109,7 +103,7 @@ class TinyModelSpec:
     tokenizer_vocab:
         Size of the BPE vocabulary before special tokens.
     vision_depth, vision_embed_dim, vision_heads:
-        Vision tower geometry (patch 14, temporal patch 2, spatial merge 2 as in Qwen2-VL).
+        Vision tower geometry (temporal patch 2, spatial merge 2 as in every Qwen-VL family).
     min_pixels, max_pixels:
         Resize bounds of the image and video processors (per frame).
     extra_tokens:
@@ -138,8 +132,13 @@ class TinyModelSpec:
     dtype: str = "bfloat16"
     seed: int = 0
     max_position_embeddings: int = 131072
+    family: str = "qwen2_vl"
 
     def __post_init__(self) -> None:
+        from cords_vllm.lab.synthetic.families import FAMILIES
+
+        if self.family not in FAMILIES:
+            raise ValueError(f"TinyModelSpec.family must be one of {sorted(FAMILIES)}, got {self.family!r}")
         positive = ("num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
                     "vocab_size", "tokenizer_vocab", "vision_depth", "vision_embed_dim", "vision_heads")
         for name in positive:
@@ -173,6 +172,8 @@ class TinyModelSpec:
         fields = dataclasses.asdict(self)
         if fields["max_position_embeddings"] == 131072:  # added later: the default keeps earlier keys
             del fields["max_position_embeddings"]
+        if fields["family"] == "qwen2_vl":  # likewise
+            del fields["family"]
         payload = json.dumps({"v": BUILD_FORMAT_VERSION, **fields}, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:12]
 
@@ -185,7 +186,7 @@ def default_cache_dir() -> Path:
     return Path(base) / "cords-vllm"
 
 
-def build_tiny_qwen2vl(spec: TinyModelSpec | None = None, cache_dir: str | os.PathLike | None = None) -> Path:
+def build_tiny_model(spec: TinyModelSpec | None = None, cache_dir: str | os.PathLike | None = None) -> Path:
     """Return the directory of the tiny checkpoint for ``spec``, building it on first use.
 
     The directory holds ``config.json``, ``model.safetensors``, tokenizer files, processor configs and
@@ -193,7 +194,7 @@ def build_tiny_qwen2vl(spec: TinyModelSpec | None = None, cache_dir: str | os.Pa
     """
     spec = spec or TinyModelSpec()
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    target = root / f"tiny-qwen2vl-{spec.cache_key()}"
+    target = root / f"tiny-{spec.family.replace('_', '')}-{spec.cache_key()}"
     if (target / "cords_tiny_spec.json").is_file():
         return target
     root.mkdir(parents=True, exist_ok=True)
@@ -208,6 +209,11 @@ def build_tiny_qwen2vl(spec: TinyModelSpec | None = None, cache_dir: str | os.Pa
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def build_tiny_qwen2vl(spec: TinyModelSpec | None = None, cache_dir: str | os.PathLike | None = None) -> Path:
+    """:func:`build_tiny_model` (the name from before other families; ``spec`` picks the family)."""
+    return build_tiny_model(spec, cache_dir)
 
 
 def _build_tokenizer(spec: TinyModelSpec):
@@ -242,47 +248,26 @@ def _build_tokenizer(spec: TinyModelSpec):
 
 def _write_checkpoint(spec: TinyModelSpec, out: Path) -> None:
     import torch
-    from transformers import (
-        Qwen2VLConfig,
-        Qwen2VLForConditionalGeneration,
-        Qwen2VLImageProcessor,
-        Qwen2VLProcessor,
-    )
-    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+
+    from cords_vllm.lab.synthetic.families import FAMILIES
 
     tokenizer = _build_tokenizer(spec)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     if len(tokenizer) > spec.vocab_size:
         raise ValueError(f"tokenizer has {len(tokenizer)} tokens, more than vocab_size={spec.vocab_size}")
-
-    pixels = {"min_pixels": spec.min_pixels, "max_pixels": spec.max_pixels, "patch_size": 14,
-              "temporal_patch_size": 2, "merge_size": 2}
-    processor = Qwen2VLProcessor(
-        image_processor=Qwen2VLImageProcessor(**pixels),
-        tokenizer=tokenizer,
-        video_processor=Qwen2VLVideoProcessor(**pixels),
-        chat_template=CHAT_TEMPLATE,
-    )
-    config = Qwen2VLConfig(
-        text_config={
-            "vocab_size": spec.vocab_size, "hidden_size": spec.hidden_size,
-            "intermediate_size": spec.intermediate_size, "num_hidden_layers": spec.num_layers,
-            "num_attention_heads": spec.num_heads, "num_key_value_heads": spec.num_kv_heads,
-            "max_position_embeddings": spec.max_position_embeddings, "rms_norm_eps": 1e-6,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0,
-                                "mrope_section": _mrope_section(spec.head_dim)},
-            "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"],
-            "pad_token_id": ids["<|endoftext|>"], "dtype": spec.dtype,
-        },
-        vision_config={
-            "depth": spec.vision_depth, "embed_dim": spec.vision_embed_dim, "hidden_size": spec.hidden_size,
-            "num_heads": spec.vision_heads, "mlp_ratio": 2, "in_channels": 3, "patch_size": 14,
-            "spatial_merge_size": 2, "temporal_patch_size": 2, "hidden_act": "quick_gelu",
-        },
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=False,
-    )
+    text = {
+        "vocab_size": spec.vocab_size, "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size, "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads, "num_key_value_heads": spec.num_kv_heads,
+        "max_position_embeddings": spec.max_position_embeddings, "rms_norm_eps": 1e-6,
+        "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"],
+        "pad_token_id": ids["<|endoftext|>"], "dtype": spec.dtype,
+    }
+    tokens = {"image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
+              "vision_start_token_id": ids["<|vision_start|>"], "vision_end_token_id": ids["<|vision_end|>"]}
+    family = FAMILIES[spec.family]
+    processor = family.processor(spec, tokenizer, CHAT_TEMPLATE)
+    config = family.config(spec, text, tokens)
     config.bos_token_id = ids["<|endoftext|>"]
     config.eos_token_id = ids["<|im_end|>"]
     config.pad_token_id = ids["<|endoftext|>"]
@@ -290,7 +275,7 @@ def _write_checkpoint(spec: TinyModelSpec, out: Path) -> None:
     devnull_rng = torch.random.fork_rng(devices=[])
     with devnull_rng:
         torch.manual_seed(spec.seed)
-        model = Qwen2VLForConditionalGeneration(config)
+        model = family.model_class()(config)
     model = model.to(getattr(torch, spec.dtype))
     model.generation_config.eos_token_id = [ids["<|im_end|>"], ids["<|endoftext|>"]]
     model.generation_config.pad_token_id = ids["<|endoftext|>"]
