@@ -87,9 +87,13 @@ class StreamClient:
         except urllib.error.HTTPError as exc:
             raise _api_error(exc) from None
 
-    def open(self, *, kv_policy: dict[str, int] | None = None, metadata: dict[str, str] | None = None) -> Stream:
-        """Open a stream (``kv_policy``: per-stream overrides, each at most the server's value)."""
+    def open(self, *, kv_policy: dict[str, int] | None = None, metadata: dict[str, str] | None = None,
+             fps: float | None = None) -> Stream:
+        """Open a stream (``kv_policy``: per-stream overrides, each at most the server's value; ``fps``: the
+        camera's frames per second, default 2 on the server)."""
         body: dict[str, Any] = {}
+        if fps is not None:
+            body["fps"] = fps
         if kv_policy:
             body["kv_policy"] = kv_policy
         if metadata:

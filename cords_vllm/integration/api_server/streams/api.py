@@ -63,6 +63,9 @@ class OpenStreamRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     kv_policy: KVPolicyOverrides | None = None
     metadata: dict[str, str] | None = Field(None, description="free-form labels shown in listings")
+    fps: float | None = Field(None, gt=0, le=1000,
+                              description="the camera's frames per second (default 2): every frame's time, which "
+                                          "Qwen2.5-VL's positions and Qwen3-VL's timestamps follow")
 
 
 class AppendFramesRequest(BaseModel):
@@ -101,6 +104,7 @@ class StreamObject(BaseModel):
     clips: int
     questions: int
     pending_frames: int = Field(description="an odd trailing frame held back until the next push")
+    fps: float = Field(description="the camera's frames per second the stream was opened with")
     idle_seconds: float
     expires_in_seconds: float | None
     kv_policy: dict[str, Any]
@@ -188,7 +192,7 @@ def describe(registry: StreamRegistry, stream: LiveStream, held: Mapping[str, He
         id=stream.id, created=int(stream.created), model=registry.model_name, status=status,
         ended_reason=stream.ended, frames=stream.stats.frames, clips=stream.stats.clips,
         questions=stream.stats.questions,
-        pending_frames=0 if stream.pending_frames is None else len(stream.pending_frames),
+        pending_frames=0 if stream.pending_frames is None else len(stream.pending_frames), fps=stream.fps,
         idle_seconds=round(idle, 3),
         expires_in_seconds=None if stream.busy else round(max(0.0, registry.limits.idle_timeout_s - idle), 3),
         kv_policy=registry.policy_of(stream), footprint_blocks=stream.footprint_blocks,
@@ -223,7 +227,7 @@ async def open_stream(request: Request, body: OpenStreamRequest | None = None) -
         if error is not None:
             raise APIError(400, error[1], f"kv_policy.{error[0]}")
     try:
-        stream = registry.open(overrides=overrides or None, metadata=body.metadata)
+        stream = registry.open(overrides=overrides or None, metadata=body.metadata, fps=body.fps)
     except TooManyStreams as exc:
         raise APIError(429, str(exc)) from None
     return describe(registry, stream, {})

@@ -89,6 +89,25 @@ class StreamStats:
     frames: int = 0
     clips: int = 0
     questions: int = 0
+    #: Frames sent to the engine (``frames`` less an odd one held back): the next clip's first frame index.
+    frames_sent: int = 0
+
+
+#: Frames per second a stream's camera is taken to run at unless its client says otherwise.
+DEFAULT_FPS = 2.0
+
+
+def clip_input(frames: np.ndarray, fps: float, first: int) -> tuple[np.ndarray, dict[str, Any]]:
+    """A clip as the engine's video input: ``frames`` ``[T, H, W, 3]`` with their metadata.
+
+    The frames are frames ``first .. first + T - 1`` of a camera at ``fps``: their times are what Qwen2.5-VL's
+    temporal positions (``second_per_grid_t``) and Qwen3-VL's timestamp text follow, so Qwen3-VL reads each frame's
+    time since the stream opened. ``do_sample_frames`` is off: every frame pushed is shown.
+    """
+    n = len(frames)
+    return frames, {"fps": float(fps), "duration": (first + n) / fps, "total_num_frames": first + n,
+                    "frames_indices": list(range(first, first + n)), "video_backend": "opencv",
+                    "do_sample_frames": False}
 
 
 class LiveStream:
@@ -107,6 +126,8 @@ class LiveStream:
         would take the stream past ``text.limit`` is refused (:class:`~cords_vllm.conversation.text_budget.
         TextRoomExceeded`) before the engine sees it, leaving the stream unchanged. ``count_text=None``: no
         check (the engine still enforces its own limit).
+    fps:
+        The camera's frames per second (:data:`DEFAULT_FPS` if not given): the time of every frame pushed.
     turn_tokens, max_model_len:
         ``(prompt text, clip or None) -> (tokens, video tokens)`` of one turn as the engine will count them (its
         text with the clip's video tokens; the clip is ``[T, H, W, 3]``), and the server's ``--max-model-len``: a
@@ -119,8 +140,9 @@ class LiveStream:
                  metadata: dict[str, Any] | None = None, text: TextBudget | None = None,
                  count_text: Callable[[str], int] | None = None,
                  turn_tokens: Callable[[str, np.ndarray | None], tuple[int, int]] | None = None,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, fps: float | None = None) -> None:
         self.engine = engine
+        self.fps = float(fps or DEFAULT_FPS)
         self.id = stream_id or f"stream-{uuid.uuid4().hex[:16]}"
         self.extra_args = extra_args or None
         self.metadata = metadata or {}
@@ -263,10 +285,12 @@ class LiveStream:
         return whole
 
     async def _append_clip(self, clip: np.ndarray) -> None:
-        turn = await self.run_turn(lambda t: {"prompt": t.clip(), "multi_modal_data": {"video": clip}},
+        video = clip_input(clip, self.fps, self.stats.frames_sent)
+        turn = await self.run_turn(lambda t: {"prompt": t.clip(), "multi_modal_data": {"video": video}},
                                    self.params(1), "this push", clip)
         await turn.wait()
         self.stats.clips += 1
+        self.stats.frames_sent += len(clip)
 
     async def ask(self, question: str, *, max_tokens: int, temperature: float = 0.0,
                   seed: int | None = None) -> Turn:
