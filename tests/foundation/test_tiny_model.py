@@ -51,7 +51,7 @@ def test_bad_spec_is_rejected(kwargs):
         TinyModelSpec(**kwargs)
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
 def test_each_family_builds_its_real_architecture(tmp_path, family):
     from transformers import AutoConfig, AutoProcessor
 

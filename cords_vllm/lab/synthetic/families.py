@@ -148,9 +148,38 @@ def _qwen3_vl_model() -> type:
     return Qwen3VLForConditionalGeneration
 
 
+def _qwen3_5_config(spec: Any, text: dict[str, Any], tokens: Mapping[str, int]) -> Any:
+    from transformers import Qwen3_5Config
+
+    # Hybrid: three Gated DeltaNet (linear attention) layers to one full-attention layer, as released; a partial
+    # rotary (a quarter of each head) with the interleaved M-RoPE split of Qwen3-VL over it.
+    layers = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(spec.num_layers)]
+    layers[-1] = "full_attention"
+    rotary = spec.head_dim // 4
+    rope = {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+            "mrope_section": interleaved_mrope_section(rotary), "mrope_interleaved": True}
+    vision = {"depth": spec.vision_depth, "hidden_size": spec.vision_embed_dim,
+              "intermediate_size": 2 * spec.vision_embed_dim, "num_heads": spec.vision_heads, "in_channels": 3,
+              "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+              "out_hidden_size": spec.hidden_size, "num_position_embeddings": 2304, "hidden_act": "gelu_pytorch_tanh"}
+    return Qwen3_5Config(
+        text_config={**text, "head_dim": spec.head_dim, "rope_parameters": rope, "layer_types": layers,
+                     "linear_conv_kernel_dim": 4, "linear_key_head_dim": spec.head_dim,
+                     "linear_value_head_dim": spec.head_dim, "linear_num_key_heads": spec.num_kv_heads,
+                     "linear_num_value_heads": spec.num_heads},
+        vision_config=vision, tie_word_embeddings=False, **tokens)
+
+
+def _qwen3_5_model() -> type:
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    return Qwen3_5ForConditionalGeneration
+
+
 #: Family name (the HF ``model_type``) -> how to build it.
 FAMILIES: dict[str, Family] = {
     "qwen2_vl": Family(_qwen2_vl_config, _qwen2_vl_processor, _qwen2_vl_model),
     "qwen2_5_vl": Family(_qwen2_5_vl_config, _qwen2_5_vl_processor, _qwen2_5_vl_model),
     "qwen3_vl": Family(_qwen3_vl_config, _qwen3_vl_processor, _qwen3_vl_model),
+    "qwen3_5": Family(_qwen3_5_config, _qwen3_vl_processor, _qwen3_5_model),
 }

@@ -90,8 +90,9 @@ class TinyModelSpec:
     ----------
     family:
         The architecture (:data:`~cords_vllm.lab.synthetic.families.FAMILIES`): ``"qwen2_vl"`` (default),
-        ``"qwen2_5_vl"`` or ``"qwen3_vl"``. Vision geometry follows the family (patch 14 for the Qwen2 families,
-        16 for Qwen3-VL).
+        ``"qwen2_5_vl"``, ``"qwen3_vl"`` or ``"qwen3_5"`` (hybrid: three Gated DeltaNet layers to one attention
+        layer; vLLM's CPU build runs it in bf16 only). Vision geometry follows the family (patch 14 for the Qwen2
+        families, 16 for the Qwen3 ones).
     num_layers, num_heads, num_kv_heads, head_dim:
         Text decoder geometry; ``hidden_size = num_heads * head_dim``. ``head_dim`` must be a multiple of 16
         (M-RoPE sections) and a head size the attention backend supports (vLLM CPU: 32, 64, 80, 96, 112,
