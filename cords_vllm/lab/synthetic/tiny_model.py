@@ -1,10 +1,10 @@
 """A deterministic, tiny, randomly initialised Qwen-VL checkpoint built fully offline.
 
 The checkpoint has the real architecture of its family (:data:`~cords_vllm.lab.synthetic.families.FAMILIES`:
-Qwen2-VL, the one ``vllm serve Qwen/Qwen2-VL-7B-Instruct`` runs, Qwen2.5-VL and Qwen3-VL), a byte-level BPE
-tokenizer trained on a corpus generated here, the Qwen-VL special tokens, the family's image/video processor and
-a chat template that accepts OpenAI ``video_url`` / ``image_url`` parts. vLLM serves it and HF transformers runs
-it, so the two can be compared token for token.
+Qwen2-VL, the one ``vllm serve Qwen/Qwen2-VL-7B-Instruct`` runs, Qwen2.5-VL, Qwen3-VL and the hybrid Qwen3.5),
+a byte-level BPE tokenizer trained on a corpus generated here, the Qwen-VL special tokens, the family's image/video
+processor and a chat template that accepts OpenAI ``video_url`` / ``image_url`` parts. vLLM serves it and HF
+transformers runs it, so the two can be compared token for token.
 
 Builds are cached in a directory keyed by a hash of :class:`TinyModelSpec` (and a format version), so the
 same spec is built once per machine and reused. Concurrent builders are safe: each builds into a private
