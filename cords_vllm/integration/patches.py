@@ -19,6 +19,7 @@ from cords_vllm.integration.patching import install as install_entries
 from cords_vllm.integration.plans import PLANS_FIELD
 from cords_vllm.integration.startup import cli_args
 from cords_vllm.integration.worker import hooks as worker
+from cords_vllm.integration.worker import video_pruning
 
 _SCHEDULER = "vllm.v1.core.sched.scheduler:Scheduler"
 _ENGINE_ARGS = "vllm.engine.arg_utils:EngineArgs"
@@ -110,6 +111,24 @@ WORKER: tuple[Entry, ...] = (
          keywords=("k_scale", "v_scale", "kv_cache_dtype"),
          why="the CPU backend's own KV write, to learn its tile layout in the layer's KV dtype (kept tokens are "
              "then moved as stored elements)"),
+    # vLLM's own video pruning (--video-pruning-rate, EVS / VidCom2), with or without a policy
+    Patch("vllm.v1.worker.cpu_model_runner:CPUModelRunner.load_model", ("self", "load_dummy_weights"),
+          video_pruning.make_cpu_load_model,
+          why="the CPU runner's load_model replaces the GPU runner's, which is where is_multimodal_pruning_enabled "
+              "is set, so on CPU a pruned video's positions are never recomputed and its first prefill crashes: set "
+              "the flag as the GPU runner does (CPU platform only, only when pruning is asked for)"),
+    Drains("vllm.v1.worker.gpu_model_runner:GPUModelRunner._gather_mm_embeddings", "is_multimodal_pruning_enabled",
+           why="the CPU fix above sets the flag this method reads to recompute a pruned request's M-RoPE positions"),
+    Call("vllm.model_executor.models.interfaces:supports_multimodal_pruning", ("model",),
+         why="whether the loaded model prunes video, as GPUModelRunner.load_model asks"),
+    Call("vllm.config.multimodal:MultiModalConfig.is_multimodal_pruning_enabled", ("self",),
+         why="whether --video-pruning-rate asks for pruning, as GPUModelRunner.load_model asks"),
+    Patch("vllm.model_executor.models.qwen3_vl:Qwen3VLForConditionalGeneration.recompute_mrope_positions",
+          ("self", "input_ids", "multimodal_embeddings", "mrope_positions", "num_computed_tokens"),
+          video_pruning.make_recompute_mrope_positions,
+          why="EVS finds a video's start as the next <|vision_start|>, and transformers >= 5.10 leaves a prompt's "
+              "outer <|vision_start|> before Qwen3-VL's first frame, so the video's positions are laid out from the "
+              "wrong token and the prefill fails (every device): hide markers that open no media from that search"),
 )
 
 #: API servers: the stream API's endpoint plugin and the engine calls a stream makes.
