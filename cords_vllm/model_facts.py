@@ -4,8 +4,8 @@ A request's candidates are the tokens of its multimodal inputs (each input's pla
 engine); what else the policy reads of the model is here: the vision markers framing every input (evicted
 with it, so a live stream's per-clip markers do not pile up as text), the placeholder token ids (what the
 stream API counts as candidates in a turn's text), the temporal patch (frames merged into one temporal
-position) and how frames are found (Qwen2-VL family: M-RoPE temporal positions). New families add their
-facts here.
+position) and how frames are found (Qwen-VL families: M-RoPE temporal positions; LLaVA-NeXT-Video: the
+placeholder's layout, a fixed count of contiguous tokens per frame). New families add their facts here.
 """
 
 from __future__ import annotations
@@ -16,6 +16,29 @@ from typing import Any
 
 #: How a family's frames are found: from M-RoPE temporal positions (one label per temporal patch).
 FRAMES_FROM_MROPE = "mrope"
+#: ... or from the placeholder's layout: an input is its frames one after another, each ``tokens_per_frame``
+#: contiguous tokens with no separators (LLaVA-NeXT-Video), so a token's frame is its offset in the input
+#: divided by ``tokens_per_frame`` (1-D rotary positions).
+FRAMES_FROM_LAYOUT = "layout"
+
+
+def layout_tokens_per_frame(hf_config: Any) -> int | None:
+    """Tokens of one frame of a family whose video placeholder is laid out frame after frame, or ``None``.
+
+    LLaVA-NeXT-Video (``llava_next_video``): each frame's patch grid (``image_size / patch_size`` on a side, the
+    CLS token dropped) is pooled by ``spatial_pool_stride`` into ``ceil(grid / stride) ** 2`` tokens, as vLLM 0.32
+    counts them (``LlavaNextVideoProcessingInfo._get_num_frame_tokens``), and a video of ``F`` frames is
+    ``F`` such runs with nothing between them.
+    """
+    if getattr(hf_config, "model_type", None) != "llava_next_video":
+        return None
+    vision = getattr(hf_config, "vision_config", None)
+    size, patch = getattr(vision, "image_size", None), getattr(vision, "patch_size", None)
+    stride = getattr(hf_config, "spatial_pool_stride", None)
+    if not all(isinstance(v, int) and v > 0 for v in (size, patch, stride)):
+        return None
+    side = -(-(size // patch) // stride)
+    return side * side
 
 
 @dataclass(frozen=True)
@@ -33,8 +56,11 @@ class ModelFacts:
     temporal_patch_size:
         Frames merged into one temporal position by the vision encoder (2 for Qwen2-VL); ``None``: unknown.
     frames_from:
-        How frames are found (:data:`FRAMES_FROM_MROPE`), or ``None`` when the model gives no way to find them
-        (then only ``token`` and ``block`` granularity apply).
+        How frames are found (:data:`FRAMES_FROM_MROPE`, :data:`FRAMES_FROM_LAYOUT`), or ``None`` when the model
+        gives no way to find them (then only ``token`` and ``block`` granularity apply).
+    tokens_per_frame:
+        :data:`FRAMES_FROM_LAYOUT` only: the tokens of one frame (25 for the tiny LLaVA-NeXT-Video, 144 for
+        LLaVA-NeXT-Video-7B at 336 pixels); ``None`` otherwise.
     spatial_merge_size:
         Patches merged into one language-model token along each spatial axis (2 for the Qwen-VL families).
     tokens_per_second:
@@ -52,6 +78,7 @@ class ModelFacts:
     spatial_merge_size: int = 1
     tokens_per_second: float | None = None
     max_positions: int | None = None
+    tokens_per_frame: int | None = None
 
     @property
     def rebases_streams(self) -> bool:
@@ -61,6 +88,8 @@ class ModelFacts:
 
     @property
     def finds_frames(self) -> bool:
+        if self.frames_from == FRAMES_FROM_LAYOUT:
+            return self.tokens_per_frame is not None and self.tokens_per_frame > 0
         return self.frames_from is not None
 
     def candidate_token_ids(self, modalities: tuple[str, ...] | list[str]) -> frozenset[int]:
@@ -80,11 +109,13 @@ class ModelFacts:
         per_second = getattr(vision, "tokens_per_second", None)
         text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
         max_positions = getattr(text, "max_position_embeddings", None)
+        per_frame = None if uses_mrope else layout_tokens_per_frame(hf_config)
+        frames_from = FRAMES_FROM_MROPE if uses_mrope else FRAMES_FROM_LAYOUT if per_frame else None
         return cls(model_type=str(getattr(hf_config, "model_type", "")),
                    placeholder_token_ids={m: i for m, i in placeholders.items() if isinstance(i, int)},
                    vision_markers=frozenset(i for i in markers if isinstance(i, int)),
                    temporal_patch_size=patch if isinstance(patch, int) else None,
-                   frames_from=FRAMES_FROM_MROPE if uses_mrope else None,
+                   frames_from=frames_from, tokens_per_frame=per_frame,
                    spatial_merge_size=merge if isinstance(merge, int) else 1,
                    tokens_per_second=float(per_second) if isinstance(per_second, int | float) else None,
                    max_positions=max_positions if isinstance(max_positions, int) else None)

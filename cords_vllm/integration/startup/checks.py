@@ -182,11 +182,14 @@ def check_budget(budget: int, slack: int, max_model_len: int) -> None:
 
 
 def check_granularity(granularity: str, uses_mrope: bool, model: str) -> None:
-    """Frame granularity reads a video's frames from M-RoPE temporal positions."""
+    """Frame granularity reads a video's frames from M-RoPE temporal positions or from the placeholder's layout
+    (``uses_mrope``: the model's facts find frames either way,
+    :attr:`~cords_vllm.model_facts.ModelFacts.finds_frames`)."""
     if granularity == "frame" and not uses_mrope:
         raise KVPolicyConfigError(
             f"kv_policy_config key 'granularity' is 'frame', which reads a video's frames from M-RoPE temporal "
-            f"positions (Qwen2-VL family), and model {model} has no M-RoPE; use granularity 'token' or 'block'")
+            f"positions (Qwen-VL families) or a known placeholder layout (LLaVA-NeXT-Video), and model {model} has "
+            "neither (no M-RoPE); use granularity 'token' or 'block'")
 
 
 def check_frame_lengths(policy: str, uses_mrope: bool, model: str) -> None:
@@ -194,4 +197,5 @@ def check_frame_lengths(policy: str, uses_mrope: bool, model: str) -> None:
     if selector_class(policy).needs_frame_length and not uses_mrope:
         raise KVPolicyConfigError(
             f"--kv-policy {policy} needs each video's frame length, read from M-RoPE temporal positions "
-            f"(Qwen2-VL family), and model {model} has no M-RoPE; choose another policy")
+            f"(Qwen-VL families) or a known placeholder layout (LLaVA-NeXT-Video), and model {model} has neither "
+            "(no M-RoPE); choose another policy")

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from cords_vllm.compress.attention_view import RowHoles
-from cords_vllm.compress.frames import frame_sizes
+from cords_vllm.compress.frames import frame_sizes, layout_labels
 from cords_vllm.compress.kv_access import KVAccessor, slots_of
 from cords_vllm.compress.kv_codec import KVCodec, check_kv_cache_dtype
 from cords_vllm.compress.plan import NULL_BLOCK_ID, CompressionPlan, RebasePlan
@@ -51,6 +51,7 @@ from cords_vllm.integration.published import PUBLISH_INTERVAL_S, Publisher
 from cords_vllm.integration.worker.cpu_layout import accessor_for_layer, codec_for_layer, kv_cache_dtype_of
 from cords_vllm.integration.worker.timing import CompressionTimer
 from cords_vllm.integration.worker.tracker import WorkerRequest
+from cords_vllm.model_facts import FRAMES_FROM_LAYOUT
 from cords_vllm.selection import get_selector
 from cords_vllm.threads import intra_op_threads
 
@@ -120,7 +121,8 @@ class WorkerCompressor:
         if config.granularity == "frame" and not self.facts.finds_frames:
             raise ValueError(
                 f"--kv-policy {config.policy}: granularity 'frame' needs the model's frames, read from M-RoPE "
-                "temporal positions (Qwen2-VL family); this model has none. Use granularity 'token' or 'block'.")
+                "temporal positions (Qwen-VL families) or the video placeholder's layout (LLaVA-NeXT-Video); this "
+                "model has neither. Use granularity 'token' or 'block'.")
         forward_context = runner.compilation_config.static_forward_context
         modules = [forward_context[n] for n in names]
         self.caches = [self._cache(m) for m in modules]
@@ -252,18 +254,32 @@ class WorkerCompressor:
         earlier compressions)."""
         if self.config.granularity != "frame" and not self.setup.selector.needs_frame_length:
             return None
-        mrope = getattr(runner.requests[plan.req_id], "mrope_positions", None)
-        if mrope is None:
+        begin, region_end = plan.prev_region_blocks * plan.block_size, plan.region_blocks * plan.block_size
+        spans = [(max(a, begin), b) for a, b in plan.candidates.spans if b > begin]
+        end = max([region_end, *(b for _, b in spans)])
+        labels = self._frame_labels(runner.requests[plan.req_id], begin, end)
+        if labels is None:
             if self.config.granularity == "frame":
                 raise WorkerPlanError(f"request {plan.req_id} has no M-RoPE positions to find its frames in")
             return None
-        temporal = mrope[0]
-        begin = plan.prev_region_blocks * plan.block_size
-        sizes = frame_sizes(temporal, [(max(a, begin), b) for a, b in plan.candidates.spans if b > begin])
+        sizes = frame_sizes(labels, [(a - begin, b - begin) for a, b in spans])
         if sizes:
             tracker.first_frame = tracker.first_frame or sizes[0]
             tracker.largest_frame = max(tracker.largest_frame, *sizes)
-        return temporal[begin: plan.region_blocks * plan.block_size].to(torch.long)
+        return labels[: region_end - begin]
+
+    def _frame_labels(self, state: Any, begin: int, end: int) -> torch.Tensor | None:
+        """Frame labels of the request's tokens ``[begin, end)`` (host, ``long [end - begin]``), non-decreasing
+        along the request: M-RoPE temporal positions, or, for a family whose placeholder is laid out frame after
+        frame (:data:`~cords_vllm.model_facts.FRAMES_FROM_LAYOUT`), each input's offset plus the frame index
+        within it (:func:`~cords_vllm.compress.frames.layout_labels`). ``None``: the request has no M-RoPE
+        positions."""
+        if self.facts.frames_from == FRAMES_FROM_LAYOUT:
+            inputs = [(f.mm_position.offset, f.mm_position.length) for f in state.mm_features
+                      if f.modality != "prompt_embeds"]
+            return layout_labels(begin, end, inputs, self.facts.tokens_per_frame)
+        mrope = getattr(state, "mrope_positions", None)
+        return None if mrope is None else mrope[0, begin:end].to(torch.long)
 
     def _region_batch(self, plan: CompressionPlan, tracker: WorkerRequest, labels: torch.Tensor | None
                       ) -> RegionBatch:
