@@ -107,3 +107,40 @@ def test_compressed_engine_equals_the_hf_reference(llava, granularity):
             partial_before = len(partial)
         assert sum(f <= dropped for f in frame_sets) >= FRAMES // 4, "whole frames were evicted"
 
+
+
+def test_a_session_is_compressed_across_turns_without_re_basing(llava):
+    """An engine session of 6 clips (not re-based: 1-D positions would shift) compresses across turns at frame
+    granularity, keeps its row logical (null entries where it evicted), answers as the HF reference over the
+    whole session with the same evictions, and returns every block when closed."""
+    from cords_vllm.config import kv_policy_args
+    from cords_vllm.integration.inprocess.introspect import snapshot
+    from cords_vllm.integration.inprocess.llm import make_llm
+    from cords_vllm.integration.inprocess.session import EngineSession
+
+    path, reference = llava
+    llm = make_llm(path, block_size=32, max_num_batched_tokens=4096, max_num_scheduled_tokens=256,
+                   limit_mm_per_prompt={"video": 1}, **kv_policy_args("cords", budget=192, slack=64))
+    free = snapshot(llm).free_blocks
+    session = EngineSession(llm, "camera-0")
+    clips = [video(4, seed=100 + i) for i in range(6)]
+    texts = ["USER: <video>\n"] + ["<video>\n"] * 5
+    for text, frames in zip(texts, clips, strict=True):
+        session.push({"prompt": text, "multi_modal_data": {"video": frames}}, 1)
+    question = "What color was the square? ASSISTANT:"
+    answer = session.push({"prompt": question}, 1)
+    state = snapshot(llm)
+    held = state.requests[session.request_id]
+    events = [e for e in state.events if e.req_id == session.request_id]
+    session.close()
+    assert snapshot(llm).free_blocks == free
+    del llm
+    gc.collect()
+    assert held.evicted_tokens > 0 and held.region_blocks > held.held_blocks, "compressed, row kept logical"
+    evictions = evictions_of(events)
+    assert len(evictions) >= 3
+    prompt = "".join(texts) + question
+    length = int(reference.encode(prompt, clips)[0].numel())
+    ref = reference.run(prompt, clips, max_new_tokens=1, chunk_sizes=chunks_for(length, evictions),
+                        evictions=evictions)
+    assert ref.token_ids == answer
