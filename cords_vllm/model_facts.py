@@ -68,6 +68,10 @@ class ModelFacts:
     max_positions:
         The model's rotary range (``max_position_embeddings``): every position must stay below it;
         ``None``: unknown.
+    hybrid:
+        Whether some layers keep a fixed-size recurrent state instead of per-token KV (Qwen3.5's Gated DeltaNet
+        layers): only the attention layers' KV is compressed, and a stream's request is not re-based (the state
+        layers' cache rows follow the request's token count).
     """
 
     model_type: str = ""
@@ -79,12 +83,13 @@ class ModelFacts:
     tokens_per_second: float | None = None
     max_positions: int | None = None
     tokens_per_frame: int | None = None
+    hybrid: bool = False
 
     @property
     def rebases_streams(self) -> bool:
         """Whether a stream's evicted tokens can leave its request: its positions are explicit (M-RoPE), so the
-        tokens after a removed range keep theirs."""
-        return self.frames_from == FRAMES_FROM_MROPE
+        tokens after a removed range keep theirs, and every layer keeps per-token KV (not a hybrid)."""
+        return self.frames_from == FRAMES_FROM_MROPE and not self.hybrid
 
     @property
     def finds_frames(self) -> bool:
@@ -98,9 +103,9 @@ class ModelFacts:
         return frozenset(ids) | self.vision_markers
 
     @classmethod
-    def from_hf_config(cls, hf_config: Any, uses_mrope: bool) -> ModelFacts:
+    def from_hf_config(cls, hf_config: Any, uses_mrope: bool, hybrid: bool = False) -> ModelFacts:
         """The facts of a model from its HF config (``uses_mrope``: whether the engine gives it M-RoPE
-        positions, which is how frames are found)."""
+        positions, which is how frames are found; ``hybrid``: whether some layers keep recurrent state)."""
         markers = (getattr(hf_config, "vision_start_token_id", None), getattr(hf_config, "vision_end_token_id", None))
         placeholders = {m: getattr(hf_config, f"{m}_token_id", None) for m in ("image", "video")}
         vision = getattr(hf_config, "vision_config", None)
@@ -118,4 +123,4 @@ class ModelFacts:
                    frames_from=frames_from, tokens_per_frame=per_frame,
                    spatial_merge_size=merge if isinstance(merge, int) else 1,
                    tokens_per_second=float(per_second) if isinstance(per_second, int | float) else None,
-                   max_positions=max_positions if isinstance(max_positions, int) else None)
+                   max_positions=max_positions if isinstance(max_positions, int) else None, hybrid=hybrid)

@@ -12,13 +12,35 @@ from cords_vllm.model_facts import ModelFacts
 def model_facts_of(vllm_config: Any) -> ModelFacts:
     """The :class:`~cords_vllm.model_facts.ModelFacts` of an engine's model."""
     mc = vllm_config.model_config
-    return ModelFacts.from_hf_config(mc.hf_config, uses_mrope=bool(getattr(mc, "uses_mrope", False)))
+    return ModelFacts.from_hf_config(mc.hf_config, uses_mrope=bool(getattr(mc, "uses_mrope", False)),
+                                     hybrid=bool(getattr(mc, "is_hybrid", False)))
 
 
-def single_kv_cache_group(groups: Sequence[Any], config: KVPolicyConfig) -> Any:
-    """The one KV cache group of the model; refuses hybrid and sliding-window models (several groups)."""
-    if len(groups) != 1:
+def attention_group_index(specs: Sequence[Any], config: KVPolicyConfig | None = None) -> int:
+    """The index of the one KV cache group the policy compresses, among the engine's groups' ``specs``
+    (``KVCacheSpec`` each, in vLLM's group order).
+
+    A model has one full-attention group; a hybrid model (Qwen3.5: Gated DeltaNet layers) also has groups of
+    fixed-size recurrent state (``MambaSpec``), which hold no per-token KV and are left alone. Anything else (a
+    second attention group: sliding-window, chunked-local or MLA layers beside full attention) is refused.
+    """
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec
+
+    attention = [i for i, spec in enumerate(specs)
+                 if isinstance(spec, FullAttentionSpec) and not isinstance(spec, MLAAttentionSpec)]
+    others = [type(spec).__name__ for i, spec in enumerate(specs)
+              if i not in attention and not isinstance(spec, MambaSpec)]
+    if len(attention) != 1 or others:
+        kinds = ", ".join(type(spec).__name__ for spec in specs)
+        policy = config.policy if config is not None else "cords"
         raise NotImplementedError(
-            f"--kv-policy {config.policy}: models with {len(groups)} KV cache groups (hybrid or sliding-window "
-            "attention) are not supported; cords-vllm compresses one full-attention KV cache group")
-    return groups[0]
+            f"--kv-policy {policy}: this model's KV cache groups are [{kinds}]; cords-vllm compresses one "
+            "full-attention KV cache group, beside which only fixed-size state groups (Mamba, Gated DeltaNet) may "
+            "exist")
+    return attention[0]
+
+
+def attention_manager(kv_cache_manager: Any, config: KVPolicyConfig | None = None) -> Any:
+    """The scheduler's single-type manager of the compressed KV cache group (:func:`attention_group_index`)."""
+    managers = kv_cache_manager.coordinator.single_type_managers
+    return managers[attention_group_index([m.kv_cache_spec for m in managers], config)]

@@ -125,11 +125,11 @@ def test_pure_checks_refuse_naming_what_to_change():
     with pytest.raises(KVPolicyConfigError, match="infinipot_v"):
         check_frame_lengths("infinipot_v", False, "m")
     check_frame_lengths("cords", False, "m")
-    for kwargs, needle in (({"hybrid": True}, "hybrid"), ({"attention_free": True}, "no attention"),
-                           ({"sliding_window": 128}, "sliding_window=128")):
+    for kwargs, needle in (({"attention_free": True}, "no attention"), ({"sliding_window": 128}, "sliding_window=128")):
         with pytest.raises(KVPolicyConfigError, match=needle):
-            check_attention("cords", "m", **{"sliding_window": None, "hybrid": False, "attention_free": False,
-                                             **kwargs})
+            check_attention("cords", "m", **{"sliding_window": None, "attention_free": False, **kwargs})
+    with pytest.raises(KVPolicyConfigError, match="CORDS_VLLM_EXPERIMENTAL_HYBRID=1"):
+        check_attention("cords", "m", None, False, hybrid=True)
 
 
 def test_check_engine_runs_every_check_and_skips_none():

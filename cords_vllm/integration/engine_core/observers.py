@@ -18,6 +18,7 @@ from typing import Any
 from cords_vllm.integration.engine_core.requests import external_request_id
 from cords_vllm.integration.engine_core.scheduler import SchedulerCompressor
 from cords_vllm.integration.engine_core.tracker import non_null_blocks
+from cords_vllm.integration.engine_facts import attention_manager
 from cords_vllm.integration.published import HeldKV, Publisher
 
 #: ``callback(scheduler, scheduler_output)`` after every ``Scheduler.schedule``.
@@ -48,7 +49,9 @@ class HeldKVObserver:
         return tracker.state if tracker is not None else None
 
     def __call__(self, scheduler: Any, output: Any) -> None:
-        rows = scheduler.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks
+        comp = self.compressor
+        manager = comp.manager if comp is not None else attention_manager(scheduler.kv_cache_manager)
+        rows = manager.req_to_blocks
         peak = self.peak
         for req_id in output.num_scheduled_tokens:
             row = rows.get(req_id)

@@ -38,7 +38,7 @@ from cords_vllm.config import KVPolicyConfig, KVPolicyConfigError
 from cords_vllm.integration.engine_core.rebase import remove_range
 from cords_vllm.integration.engine_core.requests import grids_of
 from cords_vllm.integration.engine_core.tracker import RequestCompression, RequestTracker, non_null_blocks
-from cords_vllm.integration.engine_facts import model_facts_of, single_kv_cache_group
+from cords_vllm.integration.engine_facts import attention_manager, model_facts_of
 from cords_vllm.integration.plans import attach_plans
 from cords_vllm.integration.published import Publisher
 
@@ -64,7 +64,7 @@ class SchedulerCompressor:
     def __init__(self, config: KVPolicyConfig, scheduler: Any, publisher: Publisher) -> None:
         self.config = config
         kvm = scheduler.kv_cache_manager
-        self.manager = single_kv_cache_group(kvm.coordinator.single_type_managers, config)
+        self.manager = attention_manager(kvm, config)
         self.pool = kvm.block_pool
         if self.pool.enable_caching:
             raise RuntimeError("--kv-policy needs prefix caching off (the plugin turns it off at start-up)")

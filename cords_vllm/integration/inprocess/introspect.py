@@ -24,7 +24,7 @@ from cords_vllm.config import KVPolicyConfig
 from cords_vllm.integration.engine_core.hooks import observe_steps as subscribe
 from cords_vllm.integration.engine_core.hooks import scheduler_hooks
 from cords_vllm.integration.engine_core.tracker import RequestCompression, RequestTracker
-from cords_vllm.integration.engine_facts import model_facts_of
+from cords_vllm.integration.engine_facts import attention_manager, model_facts_of
 from cords_vllm.integration.worker.compressor import CompressionEvent, WorkerSnapshot
 from cords_vllm.integration.worker.hooks import attached_compressor
 
@@ -83,7 +83,7 @@ def requests_of(scheduler: Any) -> dict[str, RequestCompression]:
     if compressor is not None:
         manager, describe = compressor.manager, compressor.describe
     else:
-        manager = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+        manager = attention_manager(scheduler.kv_cache_manager)
         config, facts = KVPolicyConfig(), model_facts_of(scheduler.vllm_config)
 
         def describe(request: Any, row: list) -> RequestCompression:
@@ -205,15 +205,17 @@ def _worker_lengths(worker: Any, req_id: str) -> tuple[int, int, int, int] | Non
     if state is None:
         return None
     positions = getattr(state, "mrope_positions", None)
+    comp = attached_compressor(worker.model_runner)
+    group = comp.group_index if comp is not None else 0
     return (len(state.prompt_token_ids or ()), 0 if positions is None else int(positions.shape[-1]),
-            len(state.block_ids[0]), len(state.mm_features or ()))
+            len(state.block_ids[group]), len(state.mm_features or ()))
 
 
 def host_lengths(llm: Any, req_id: str) -> HostLengths:
     """:class:`HostLengths` of request ``req_id`` (engine-internal id) of an in-process ``LLM``."""
     scheduler = scheduler_of(llm)
     request = scheduler.requests[req_id]
-    row = scheduler.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks.get(req_id, [])
+    row = attention_manager(scheduler.kv_cache_manager).req_to_blocks.get(req_id, [])
     workers = [w for w in llm.collective_rpc(_worker_lengths, args=(req_id,)) if w is not None]
     worker = workers[0] if workers else (0, 0, 0, 0)
     return HostLengths(len(request._all_token_ids), len(request.prompt_token_ids), len(row),

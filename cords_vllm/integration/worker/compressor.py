@@ -45,7 +45,7 @@ from cords_vllm.compress.plan import NULL_BLOCK_ID, CompressionPlan, RebasePlan
 from cords_vllm.compress.step import RegionBatch, SelectionSetup, compress_region
 from cords_vllm.compress.transfer import upload
 from cords_vllm.config import KVPolicyConfig
-from cords_vllm.integration.engine_facts import model_facts_of, single_kv_cache_group
+from cords_vllm.integration.engine_facts import attention_group_index, model_facts_of
 from cords_vllm.integration.plans import plans_of
 from cords_vllm.integration.published import PUBLISH_INTERVAL_S, Publisher
 from cords_vllm.integration.worker.cpu_layout import accessor_for_layer, codec_for_layer, kv_cache_dtype_of
@@ -113,8 +113,10 @@ class WorkerCompressor:
 
     def __init__(self, config: KVPolicyConfig, runner: Any) -> None:
         self.config = config
-        names = sorted(single_kv_cache_group(runner.kv_cache_config.kv_cache_groups, config).layer_names,
-                       key=_layer_index)
+        groups = runner.kv_cache_config.kv_cache_groups
+        #: The KV cache group compressed (a hybrid model's state groups are left alone).
+        self.group_index = attention_group_index([g.kv_cache_spec for g in groups], config)
+        names = sorted(groups[self.group_index].layer_names, key=_layer_index)
         self.layer_names = names
         config.check_model(len(names))
         self.facts = model_facts_of(runner.vllm_config)
@@ -240,13 +242,13 @@ class WorkerCompressor:
 
     # ------------------------------------------------------------------------------------------------
     def _rewrite_rows(self, runner: Any, plan: CompressionPlan) -> None:
-        row = runner.requests[plan.req_id].block_ids[0]
+        row = runner.requests[plan.req_id].block_ids[self.group_index]
         if plan.held_entries(row) != list(plan.src_blocks):
             raise WorkerPlanError(f"worker row of {plan.req_id} disagrees with the scheduler's plan")
         plan.compact_row(row, NULL_BLOCK_ID)
         index = runner.input_batch.req_id_to_index.get(plan.req_id)
         if index is not None:
-            plan.compact_row(runner.input_batch.block_table[0].block_table.np[index], NULL_BLOCK_ID)
+            plan.compact_row(runner.input_batch.block_table[self.group_index].block_table.np[index], NULL_BLOCK_ID)
 
     def _labels(self, runner: Any, plan: CompressionPlan, tracker: WorkerRequest) -> torch.Tensor | None:
         """Frame labels of the tokens entering the region (host, ``long [N]``) when the plan needs them, after

@@ -26,9 +26,8 @@ def _create(runner: Any) -> WorkerCompressor | None:
     if not policy.enabled:
         return None
     comp = WorkerCompressor(policy, runner)
-    for groups in runner.attn_groups:
-        for group in groups:
-            _GROUP_OWNER.set(group, (comp, runner))
+    for group in runner.attn_groups[comp.group_index]:  # only the compressed KV cache group's builders
+        _GROUP_OWNER.set(group, (comp, runner))
     return comp
 
 

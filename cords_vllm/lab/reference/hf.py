@@ -221,9 +221,9 @@ class HFReference:
             Prefill chunk lengths summing to the prompt length (default: one chunk).
         evictions:
             ``{chunk_start: per_layer_keep}`` applied right before the chunk starting at logical token
-            ``chunk_start``; ``per_layer_keep[l]`` is an int64 tensor of logical token ids to keep in layer
-            ``l``, either ``[n_keep]`` (all heads) or ``[H, n_keep]`` (per KV head). Ids not currently held
-            are an error.
+            ``chunk_start``; ``per_layer_keep[l]`` is an int64 tensor of logical token ids to keep in attention
+            layer ``l`` (a hybrid model's recurrent-state layers are not counted), either ``[n_keep]`` (all heads)
+            or ``[H, n_keep]`` (per KV head). Ids not currently held are an error.
         forced_tokens:
             Teacher-forced continuation (e.g. the engine's output); default: the reference's own greedy
             tokens.
@@ -244,15 +244,16 @@ class HFReference:
         lm = self.model.model.language_model
         text = self.config.text_config
         cache = DynamicCache(config=text)
-        num_layers, num_kv = text.num_hidden_layers, text.num_key_value_heads
-        held = [torch.empty(num_kv, 0, dtype=torch.long) for _ in range(num_layers)]
+        num_kv = text.num_key_value_heads
+        held = [torch.empty(num_kv, 0, dtype=torch.long) for _ in self.attention_layers]
         logits: list[torch.Tensor] = []
         start = 0
         for n in chunks:
             if start in evictions:
                 self._evict(cache, held, evictions[start])
             out = lm(inputs_embeds=emb[:, start:start + n], position_ids=pos[:, None, start:start + n],
-                     past_key_values=cache, use_cache=True, **self._deepstack(enc, start, n))
+                     past_key_values=cache, use_cache=True, **self._deepstack(enc, start, n),
+                     **self._hybrid_mask(n, held[0].shape[1]))
             new = torch.arange(start, start + n).expand(num_kv, n)
             held = [torch.cat([h, new], dim=1) for h in held]
             start += n
@@ -264,7 +265,7 @@ class HFReference:
             tok = forced_tokens[t] if forced_tokens is not None else tokens[-1]
             p = torch.full((3, 1, 1), length + t + delta, dtype=torch.long)
             out = lm(inputs_embeds=embed(torch.tensor([[tok]])), position_ids=p, past_key_values=cache,
-                     use_cache=True)
+                     use_cache=True, **self._hybrid_mask(1, held[0].shape[1] + t))
             logits.append(self.model.lm_head(out.last_hidden_state[0, -1]).float())
             tokens.append(int(logits[-1].argmax()))
         return ReferenceResult(token_ids=tokens, logits=torch.stack(logits), kept_logical=kept_at_prompt_end)
@@ -279,12 +280,33 @@ class HFReference:
         rows = slice(first, first + int(mask.sum()))
         return {"visual_pos_masks": mask[None], "deepstack_visual_embeds": [d[rows] for d in enc.deepstack]}
 
-    @staticmethod
-    def _evict(cache, held: list[torch.Tensor], keep_per_layer: Sequence[torch.Tensor]) -> None:
+    def _hybrid_mask(self, n: int, held: int) -> dict:
+        """A hybrid model's masks for ``n`` new tokens after ``held`` cached ones (none for other models).
+
+        transformers sizes a hybrid's causal mask from its first layer's cache, a recurrent one that counts every
+        token seen, not the attention cache an eviction shortened: the mask would then let a chunk's tokens see
+        the tokens after them. The causal mask is given explicitly instead (``[1, 1, n, held + n]``, true where
+        attention is allowed), and no padding mask for the recurrent layers.
+        """
+        if len(self.attention_layers) == self.config.text_config.num_hidden_layers:
+            return {}
+        causal = torch.ones(n, held + n, dtype=torch.bool).tril(diagonal=held)
+        return {"attention_mask": {"full_attention": causal[None, None], "linear_attention": None}}
+
+    @property
+    def attention_layers(self) -> list[int]:
+        """Decoder layers with a per-token KV cache: all of them, or a hybrid's full-attention layers (Qwen3.5)."""
+        text = self.config.text_config
+        types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+        return [i for i, kind in enumerate(types) if kind == "full_attention"]
+
+    def _evict(self, cache, held: list[torch.Tensor], keep_per_layer: Sequence[torch.Tensor]) -> None:
         if len(keep_per_layer) != len(held):
-            raise ValueError(f"eviction needs one keep tensor per layer ({len(held)}), got {len(keep_per_layer)}")
-        for layer, keep in enumerate(keep_per_layer):
-            h = held[layer]  # [H, T] logical ids in cache order
+            raise ValueError(f"eviction needs one keep tensor per attention layer ({len(held)}), got "
+                             f"{len(keep_per_layer)}")
+        for layer, keep in zip(self.attention_layers, keep_per_layer, strict=True):
+            slot = self.attention_layers.index(layer)
+            h = held[slot]  # [H, T] logical ids in cache order
             keep = torch.as_tensor(keep, dtype=torch.long)
             keep = keep.expand(h.shape[0], -1) if keep.dim() == 1 else keep
             # position of each kept logical id inside this layer/head's cache
@@ -296,7 +318,7 @@ class HFReference:
             gather = index[None, :, :, None].expand(entry.keys.shape[0], -1, -1, entry.keys.shape[-1])
             entry.keys = torch.gather(entry.keys, 2, gather).contiguous()
             entry.values = torch.gather(entry.values, 2, gather).contiguous()
-            held[layer] = torch.gather(h, 1, index)
+            held[slot] = torch.gather(h, 1, index)
 
 
 #: The name from before other families (the class reads the family from the checkpoint).
