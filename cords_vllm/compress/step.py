@@ -35,6 +35,10 @@ compression): host synchronisations per call, whatever the number of layers, anc
 The one exception is an ablation setting: CoRDS with ``novelty="exact"`` reads its saturation flag once per
 greedy step from step ``H * D`` until its residuals vanish (once in the tests' random caches).
 
+Tensor parallelism: joint selection gathers the anchors' keys and values of every rank's KV heads once per call
+(:attr:`SelectionSetup.gather_heads`; bytes in :mod:`cords_vllm.compress.tensor_parallel`), so every rank keeps
+the same tokens as one rank holding all heads would; per-head selection exchanges nothing.
+
 Kernel launches: a fixed list per greedy step of the greedy policies
 (:data:`~cords_vllm.selection.cords.OPS_PER_GREEDY_STEP`: 30 for CoRDS, 22 for k_only / v_only), one step per
 kept token at token granularity, per kept block or frame otherwise, plus a few hundred per call.
@@ -49,6 +53,7 @@ import torch
 
 from cords_vllm.compress.kv_access import KVAccessor
 from cords_vllm.compress.kv_codec import KVCodec, PlainCodec
+from cords_vllm.compress.tensor_parallel import HeadGather
 from cords_vllm.selection.base import Selector
 from cords_vllm.selection.exact import select_exact
 
@@ -104,12 +109,20 @@ class RegionBatch:
 
 @dataclass(frozen=True)
 class SelectionSetup:
-    """How a model's layers select: the policy, its unit, per-head or joint, and each layer's anchor."""
+    """How a model's layers select: the policy, its unit, per-head or joint, and each layer's anchor.
+
+    ``gather_heads``: under tensor parallelism, this rank's collective that turns its anchors' keys and values,
+    ``[2, A, H_local, T, D]``, into all heads', ``[2, A, H, T, D]`` in the model's head order
+    (:func:`~cords_vllm.compress.tensor_parallel.head_gatherer`); joint selection then runs on every head on every
+    rank and keeps the same tokens as one rank holding all heads. ``None`` (one rank, or per-head selection, which
+    never reads another rank's heads): selection sees the local heads only.
+    """
 
     selector: Selector
     granularity: str
     per_head: bool
     anchor_of: tuple[int, ...]
+    gather_heads: HeadGather | None = None
 
     @property
     def anchors(self) -> tuple[int, ...]:
@@ -161,7 +174,9 @@ def select_positions(setup: SelectionSetup, keys: torch.Tensor, values: torch.Te
     """Kept positions into the held tokens of each anchor layer and head.
 
     ``keys``/``values``: ``[A, H, T, D]`` of the ``A`` anchors; ``tokens``: theirs, each field ``[A, H, T]``.
-    Returns ``long [A, H, num_keep]``, increasing along the last dim.
+    Returns ``long [A, H, num_keep]``, increasing along the last dim. Joint selection under tensor parallelism
+    (``setup.gather_heads``) selects on every rank's heads, ``[A, H_all, T, D]``, and returns the common positions
+    for this rank's ``H``.
     """
     a, h, t, d = keys.shape
     candidates = tokens.candidates  # [A, H, T]
@@ -172,6 +187,8 @@ def select_positions(setup: SelectionSetup, keys: torch.Tensor, values: torch.Te
     else:  # joint selection: every head of a layer holds the same tokens
         k, v, cand = keys, values, candidates[:, 0]
         labels = None if labels is None else labels[:, 0]
+        if setup.gather_heads is not None:  # one collective: keys and values of every anchor together
+            k, v = setup.gather_heads(torch.stack([keys, values])).unbind(0)
     positions = select_exact(
         setup.selector, k, v, batch.num_keep_candidates, candidates=cand, granularity=setup.granularity,
         group_size=batch.group_size, group_index=labels if setup.granularity == "frame" else None,

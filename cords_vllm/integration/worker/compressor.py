@@ -49,6 +49,7 @@ from cords_vllm.integration.engine_facts import attention_group_index, model_fac
 from cords_vllm.integration.plans import plans_of
 from cords_vllm.integration.published import PUBLISH_INTERVAL_S, Publisher
 from cords_vllm.integration.worker.cpu_layout import accessor_for_layer, codec_for_layer, kv_cache_dtype_of
+from cords_vllm.integration.worker.tensor_parallel import tp_head_gatherer
 from cords_vllm.integration.worker.timing import CompressionTimer
 from cords_vllm.integration.worker.tracker import WorkerRequest
 from cords_vllm.model_facts import FRAMES_FROM_LAYOUT
@@ -138,7 +139,8 @@ class WorkerCompressor:
         self.block_size = self.accessors[0].block_size
         self.setup = SelectionSetup(
             selector=get_selector(config.policy, **dict(config.params)), granularity=config.granularity,
-            per_head=config.per_head, anchor_of=tuple(config.anchor_of(i, len(names)) for i in range(len(names))))
+            per_head=config.per_head, anchor_of=tuple(config.anchor_of(i, len(names)) for i in range(len(names))),
+            gather_heads=None if config.per_head else tp_head_gatherer(runner, self.accessors[0].num_kv_heads))
         self.requests: dict[str, WorkerRequest] = {}
         #: The scheduler's plans for sessions whose next turn has not reached the worker yet.
         self.turns: dict[str, RebasePlan] = {}
