@@ -1,0 +1,170 @@
+"""Tensor parallelism: the policy keeps the same tokens, and answers the same, at TP=2 as at TP=1.
+
+Each rank's KV cache holds one of the tiny model's two KV heads. Joint selection (``per_head: false``) gathers the
+anchors' keys and values of both heads across the TP group before selecting, so both ranks keep the tokens TP=1
+keeps; per-head selection needs no exchange (heads are independent). Checked for a one-shot request (kept ids of
+every compression, all ranks' heads together, equal TP=1's; greedy tokens equal; log-probs within
+:data:`TOL`) and for a live stream (an engine session across turns, re-based at each turn).
+
+The video is random noise: the synthetic test video's flat backgrounds give patches with identical features, so
+the greedy selection meets exact ties, which the ~1e-7 difference between TP=1's and TP=2's keys (the row-parallel
+all-reduce sums in another order) breaks either way; noise has no such ties.
+
+Each configuration starts one TP=2 engine and one TP=1 engine, one after the other, and runs the one-shot request
+and (joint token granularity) the session on each: six engine starts, about 3.5 minutes on two cores shared with
+another test run (a TP=2 engine's start and request 40-70 s, a TP=1 engine's 15-20 s). vLLM's CPU platform spawns
+the TP workers, so they load the plugin themselves.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+import torch
+
+from cords_vllm.config import kv_policy_args
+from cords_vllm.integration.inprocess.introspect import snapshot, worker_snapshots
+from cords_vllm.integration.inprocess.llm import make_llm
+from cords_vllm.integration.inprocess.session import EngineSession
+from tests.engine.conftest import BLOCK, CHUNK, VIDEO_PROMPT
+
+CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+pytestmark = [pytest.mark.engine,
+              pytest.mark.skipif(len(CORES) < 2, reason="tensor parallelism on CPU needs two cores (one rank each)")]
+
+TOL = 1e-4  # fp32; TP=2 against TP=1 without a policy differs by ~5e-7
+BUDGET, SLACK = 256, 64
+CONFIGS = {
+    "token": {"granularity": "token"},
+    "frame": {"granularity": "frame"},
+    "token-per-head": {"granularity": "token", "per_head": True},
+}
+SESSION_CONFIGS = ("token",)
+CLIPS, CLIP_FRAMES = 4, 4
+OPEN, CLIP = "<|im_start|>user\n", "<|vision_start|><|video_pad|><|vision_end|>"
+QUESTION = "What color was the square?<|im_end|>\n<|im_start|>assistant\n"
+
+
+def noise_video(frames: int, seed: int) -> np.ndarray:
+    """``uint8 [frames, 224, 224, 3]`` random pixels (no two patches alike: no ties in selection)."""
+    return np.random.default_rng(seed).integers(0, 256, (frames, 224, 224, 3), dtype=np.uint8)
+
+
+@contextmanager
+def _env(**values: str) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _kept(llm) -> list[tuple[str, int, list[torch.Tensor]]]:
+    """Every compression as ``(request id, at_token, kept ids per layer)``, each layer's ``long [H, n]`` with the
+    heads of all ranks in rank order (rank ``r`` holds heads ``[r * H / W, (r + 1) * H / W)``)."""
+    ranks = [w.events for w in worker_snapshots(llm)]
+    assert len({len(e) for e in ranks}) == 1, "every rank carries out every compression"
+    kept = []
+    for events in zip(*ranks, strict=True):
+        assert len({(e.req_id, e.at_token) for e in events}) == 1
+        layers = [torch.cat(per_rank, dim=0) for per_rank in zip(*(e.kept_logical for e in events), strict=True)]
+        kept.append((events[0].req_id, events[0].at_token, layers))
+    return kept
+
+
+def _session(llm) -> dict:
+    """A live stream of noise clips with a question after the second and the last; answers and kept ids."""
+    session = EngineSession(llm, "camera-tp")
+    answers = []
+    for i in range(CLIPS):
+        session.push({"prompt": (OPEN if i == 0 else "") + CLIP,
+                      "multi_modal_data": {"video": noise_video(CLIP_FRAMES, seed=100 + i)}}, max_tokens=1)
+        if i in (1, CLIPS - 1):
+            answers.append(session.push({"prompt": QUESTION + ("" if i == CLIPS - 1 else OPEN)}, max_tokens=3))
+    kept = [k for k in _kept(llm) if k[0] == session.request_id]
+    session.close()
+    return {"answers": answers, "kept": kept, "free": snapshot(llm).free_blocks}
+
+
+def _run(model: str, tp: int, config: dict, with_session: bool) -> dict:
+    from vllm import SamplingParams
+
+    kwargs = {"block_size": BLOCK, "max_num_batched_tokens": 4096, "max_num_scheduled_tokens": CHUNK,
+              "limit_mm_per_prompt": {"image": 0, "video": CLIPS},
+              **kv_policy_args("cords", budget=BUDGET, slack=SLACK, **config)}
+    env = {}
+    if tp > 1:  # one rank per core; the default binding ("auto") refuses a machine with one NUMA node
+        kwargs.update(tensor_parallel_size=tp, distributed_executor_backend="mp")
+        env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(c) for c in CORES[:tp])}
+    with _env(**env):
+        llm = make_llm(model, **kwargs)
+        try:
+            free = snapshot(llm).free_blocks
+            prompt = {"prompt": VIDEO_PROMPT, "multi_modal_data": {"video": noise_video(48, seed=0)}}
+            params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=20)
+            out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+            result = {"tokens": list(out.token_ids),
+                      "logprobs": [{t: lp.logprob for t, lp in step.items()} for step in out.logprobs],
+                      "kept": _kept(llm), "free_before": free, "free_after": snapshot(llm).free_blocks}
+            if with_session:
+                result["session"] = _session(llm)
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+            gc.collect()
+    return result
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model):
+    """``runs(name) -> (tp1, tp2)``: each configuration's two engines, run once per module."""
+    cache: dict[str, tuple[dict, dict]] = {}
+
+    def get(name: str) -> tuple[dict, dict]:
+        if name not in cache:
+            session = name in SESSION_CONFIGS
+            cache[name] = (_run(tiny_model, 1, CONFIGS[name], session), _run(tiny_model, 2, CONFIGS[name], session))
+        return cache[name]
+    return get
+
+
+def _assert_same_kept(one: list, two: list) -> None:
+    assert len(one) == len(two) >= 2, "the request must be compressed at least twice"
+    for (_, at1, layers1), (_, at2, layers2) in zip(one, two, strict=True):
+        assert at1 == at2
+        for layer, (a, b) in enumerate(zip(layers1, layers2, strict=True)):
+            assert a.shape == b.shape, f"at token {at1}, layer {layer}: {tuple(b.shape)} kept, TP=1 {tuple(a.shape)}"
+            assert torch.equal(a, b), f"at token {at1}, layer {layer}: kept ids differ from TP=1"
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_tp2_keeps_the_tokens_and_answers_of_tp1(runs, name):
+    tp1, tp2 = runs(name)
+    _assert_same_kept(tp1["kept"], tp2["kept"])
+    if not CONFIGS[name].get("per_head"):  # joint: both ranks' heads keep the same ids
+        for _, _, layers in tp2["kept"]:
+            assert all(torch.equal(layer[0], layer[1]) for layer in layers)
+    assert tp2["tokens"] == tp1["tokens"]
+    worst = max(abs(lp - s1[t]) for s1, s2 in zip(tp1["logprobs"], tp2["logprobs"], strict=True)
+                for t, lp in s2.items() if t in s1)
+    assert worst < TOL
+    assert tp2["free_after"] == tp2["free_before"]
+
+
+@pytest.mark.parametrize("name", SESSION_CONFIGS)
+def test_tp2_session_keeps_the_tokens_and_answers_of_tp1(runs, name):
+    tp1, tp2 = (r["session"] for r in runs(name))
+    assert tp2["answers"] == tp1["answers"]
+    _assert_same_kept(tp1["kept"], tp2["kept"])
+    assert tp2["free"] == runs(name)[1]["free_before"]  # every block back on close
