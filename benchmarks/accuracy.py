@@ -44,7 +44,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--per-family", type=int, default=32)
     p.add_argument("--frames", type=int, default=64, help="video length (training used 64)")
     p.add_argument("--policies", nargs="+", default=available_selectors(),
-                   help="registry names or variants NAME:key=value,... (e.g. cords:granularity=token,alpha=0.1)")
+                   help="registry names or variants NAME:key=value,... (e.g. cords:granularity=token,alpha=0.1); "
+                        "vLLM's video pruning: evs, vidcom2 (alone, at the budget's share), evs+cords (pruning at "
+                        "pruning_rate, default 0.5, then the policy)")
+    p.add_argument("--fps", type=float, default=None,
+                   help="send videos with their times at this frame rate (default: 2 for Qwen2.5-VL and Qwen3-VL "
+                        "checkpoints, which need it; bare frames otherwise)")
     p.add_argument("--granularity", choices=["token", "frame", "block"], default=None,
                    help="selection unit for every policy (default: the engine's default); variants may override")
     p.add_argument("--fractions", nargs="+", type=float, default=[1 / 2, 1 / 4, 1 / 8, 1 / 16])
@@ -88,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     checkpoint = Path(args.checkpoint) if args.checkpoint else shipped_checkpoint()
     geometry = VideoGeometry(num_frames=args.frames)
     examples = make_split(args.families, args.per_family, "heldout", geometry=geometry)
-    shape = EngineShape(chunk=args.chunk, batch=args.batch)
+    shape = EngineShape(chunk=args.chunk, batch=args.batch, fps=video_fps(checkpoint, args.fps))
     specs = policy_specs(args)
     print(f"{len(examples)} held-out examples ({', '.join(args.families)}), {args.frames} frames = "
           f"{geometry.num_video_tokens} video tokens each; checkpoint {checkpoint.name}", flush=True)
@@ -156,7 +161,9 @@ def print_table(runs: list[AccuracyRun], specs: list[PolicySpec], fractions: lis
     print(f"\nfull KV: {format_report(full.report)}")
     header = "| policy | " + " | ".join(f"1/{round(1 / f)} (held)" for f in fractions) + " |"
     print("\n" + header + "\n|" + "---|" * (len(fractions) + 1))
-    for policy in (s.label for s in specs if s.policy != "none"):
+    from cords_vllm.lab.bench.pruning import budgeted
+
+    for policy in (s.label for s in specs if budgeted(s)):
         cells_row = []
         for f in fractions:
             run = next(r for r in runs if r.label == policy and r.fraction == f)
@@ -199,12 +206,21 @@ def compare_inputs(runs: list[AccuracyRun], specs: list[PolicySpec], fractions: 
     return rows
 
 
+def video_fps(checkpoint: Path, fps: float | None) -> float | None:
+    """``fps``, else 2 for a checkpoint whose family needs its videos' times (Qwen2.5-VL, Qwen3-VL), else None."""
+    if fps is not None:
+        return fps
+    model_type = json.loads((checkpoint / "config.json").read_text()).get("model_type", "")
+    return 2.0 if model_type in ("qwen2_5_vl", "qwen3_vl") else None
+
+
 def policy_specs(args: argparse.Namespace) -> list[PolicySpec]:
     r"""``--policies`` as ``PolicySpec``\ s, with ``--granularity`` as every policy's default."""
-    from cords_vllm.lab.bench.workload import PolicySpec
+
+    from cords_vllm.lab.bench import pruning
 
     defaults = {"granularity": args.granularity} if args.granularity else {}
-    return [PolicySpec.parse(text, defaults) for text in args.policies]
+    return [pruning.parse(text, defaults) for text in args.policies]
 
 
 def with_progress(specs: list[PolicySpec], fractions: list[float],
@@ -214,7 +230,9 @@ def with_progress(specs: list[PolicySpec], fractions: list[float],
     ``repeats`` times, e.g. once per input shape)."""
     from tqdm import tqdm
 
-    cells = repeats * (1 + len(fractions) * len([s for s in specs if s.policy != "none"]))
+    from cords_vllm.lab.bench.pruning import budgeted
+
+    cells = repeats * (1 + len(fractions) * len([s for s in specs if budgeted(s)]))
     with tqdm(total=cells, desc="policy x budget", unit="cell") as bar:
         def report(run):
             bar.update(1)
@@ -233,7 +251,7 @@ def stream_mode(args: argparse.Namespace) -> int:
     out = args.out or Path("benchmarks/out/accuracy_stream")
     examples = make_split(args.families, args.per_family, "heldout", geometry=VideoGeometry(num_frames=args.frames))
     plans = [plan_stream(e, args.push_frames, args.delay_pushes) for e in examples]
-    shape = EngineShape(chunk=args.chunk, batch=args.batch)
+    shape = EngineShape(chunk=args.chunk, batch=args.batch, fps=video_fps(checkpoint, args.fps))
     specs = policy_specs(args)
     pushes = [len(p.clips) for p in plans]
     print(f"{len(plans)} held-out streams ({', '.join(args.families)}) of {args.frames}-frame videos in pushes of "

@@ -24,7 +24,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from cords_vllm.lab.bench.report import RATIO_COLUMNS, format_table, plot_results, ratios, write_json
-from cords_vllm.lab.bench.workload import PolicySpec, VideoWorkload
+from cords_vllm.lab.bench.workload import VideoWorkload
 
 
 def _default_policies() -> list[str]:
@@ -54,7 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", type=int, default=448, help="frame side in pixels (multiple of 28)")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--rate", type=float, default=None, help="Poisson arrivals per second (default: all at once)")
-    p.add_argument("--budget", type=int, default=2048)
+    p.add_argument("--budget", type=int, default=2048,
+                   help="video tokens kept: a policy's budget, and what pruning alone (evs, vidcom2) keeps")
+    p.add_argument("--family", choices=("qwen2_vl", "qwen2_5_vl"), default="qwen2_vl",
+                   help="architecture of the tiny model (vLLM's video pruning needs qwen2_5_vl)")
     p.add_argument("--pool-videos", type=float, default=2.0, help="KV pool size in uncompressed videos")
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--chunk", type=int, default=512, help="prefill tokens per request per step")
@@ -66,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     workload = VideoWorkload(num_requests=args.requests, frames=args.frames, size=args.size,
-                             max_tokens=args.max_tokens, rate=args.rate)
+                             max_tokens=args.max_tokens, rate=args.rate,
+                             fps=None if args.family == "qwen2_vl" else 2.0)
     print(f"workload: {args.requests} requests x {workload.video_tokens} video tokens "
           f"({args.frames} frames of {args.size}x{args.size}), arrivals: "
           f"{f'Poisson {args.rate:.2f}/s' if args.rate else 'all at once'}; machine: {_machine()}", flush=True)
@@ -77,15 +81,16 @@ def main(argv: list[str] | None = None) -> int:
         with tqdm(total=args.requests, desc=args.label, unit="req") as bar:
             results.append(run_http(args.url, args.label, workload, on_progress=bar.update))
     else:
+        from cords_vllm.lab.bench import pruning
         from cords_vllm.lab.bench.offline import EngineSettings, run_offline
-        from cords_vllm.lab.synthetic import TinyModelSpec, build_tiny_qwen2vl
+        from cords_vllm.lab.synthetic import TinyModelSpec, build_tiny_model
 
         max_pixels = max(224 * 224, args.size * args.size)
-        model = build_tiny_qwen2vl(TinyModelSpec(max_pixels=max_pixels))
+        model = build_tiny_model(TinyModelSpec(max_pixels=max_pixels, family=args.family))
         settings = EngineSettings(block_size=args.block_size, chunk=args.chunk, step_tokens=args.step_tokens,
                                   pool_videos=args.pool_videos)
         defaults = {"budget": args.budget}
-        specs = [PolicySpec.parse(text, defaults) for text in (args.policies or _default_policies())]
+        specs = [pruning.parse(text, defaults) for text in (args.policies or _default_policies())]
         for spec in specs:
             with tqdm(total=args.requests, desc=f"{spec.label:>20}", unit="req") as bar:
                 results.append(run_offline(model, spec, workload, settings, on_progress=bar.update))

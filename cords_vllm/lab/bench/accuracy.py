@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from cords_vllm.config import kv_policy_args
+from cords_vllm.lab.bench import pruning
 from cords_vllm.lab.bench.workload import PolicySpec
 from cords_vllm.lab.vqa import VQAExample, accuracy_report
 
@@ -62,6 +63,8 @@ class EngineShape:
     chunk: int = 64
     batch: int = 16
     dtype: str = "float32"
+    #: Frame rate the videos are sent with (their metadata; Qwen2.5-VL needs it); ``None``: bare frames.
+    fps: float | None = None
 
 
 def engine_args(checkpoint: str | Path, examples: Sequence[VQAExample], shape: EngineShape,
@@ -77,17 +80,20 @@ def engine_args(checkpoint: str | Path, examples: Sequence[VQAExample], shape: E
     return kw
 
 
-def cell_llm(kwargs: dict[str, Any], spec: PolicySpec | str, budget: int | None) -> Any:
+def cell_llm(kwargs: dict[str, Any], spec: PolicySpec | str, budget: int | None, video_tokens: int = 0) -> Any:
     """The in-process ``LLM`` of one accuracy cell: ``kwargs`` (:func:`engine_args`) plus ``spec`` at ``budget``
-    with slack 0, so compression runs whenever the held video tokens exceed the budget."""
+    with slack 0, so compression runs whenever the held video tokens exceed the budget; video pruning
+    (:mod:`~cords_vllm.lab.bench.pruning`) at the rate the cell asks for, for requests of ``video_tokens``."""
     from cords_vllm.integration.inprocess.llm import make_llm
 
     kwargs = dict(kwargs)
     model = kwargs.pop("model")
     if isinstance(spec, str):
-        spec = PolicySpec.parse(spec, {})
+        spec = pruning.parse(spec, {})
+    config, engine = pruning.split(spec, budget, video_tokens)
+    kwargs.update(engine)
     if spec.policy != "none":
-        kwargs.update(kv_policy_args(spec.policy, **{**spec.config, "budget": budget, "slack": 0}))
+        kwargs.update(kv_policy_args(spec.policy, **{**config, "budget": budget, "slack": 0}))
     return make_llm(model, **kwargs)
 
 
@@ -102,8 +108,10 @@ def run_policy(checkpoint: str | Path, examples: Sequence[VQAExample], spec: Pol
     from vllm import SamplingParams
 
     from cords_vllm.integration.inprocess.introspect import answering_requests, observe_steps, requests_of
+    from cords_vllm.lab.vqa.serving import candidate_tokens
 
-    llm = cell_llm(engine_args(checkpoint, examples, shape, inputs), spec, budget)
+    llm = cell_llm(engine_args(checkpoint, examples, shape, inputs), spec, budget,
+                   candidate_tokens(examples[0].geometry, inputs))
     held_at_answer: list[int] = []
 
     def observe(scheduler, out) -> None:
@@ -113,8 +121,8 @@ def run_policy(checkpoint: str | Path, examples: Sequence[VQAExample], spec: Pol
             held_at_answer.extend(held[r].held_candidate_tokens for r in answering)
 
     observe_steps(llm, observe)
-    outputs = llm.generate([e.vllm_request(inputs) for e in examples], SamplingParams(temperature=0.0, max_tokens=1),
-                           use_tqdm=False)
+    outputs = llm.generate([e.vllm_request(inputs, fps=shape.fps) for e in examples],
+                           SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
     del llm
     gc.collect()
     return [o.outputs[0].text for o in outputs], float(np.mean(held_at_answer)) if held_at_answer else float("nan")
@@ -290,10 +298,10 @@ def budget_cells(policies: Sequence[PolicySpec | str], fractions: Sequence[float
                  block_size: int) -> list[tuple[PolicySpec, float | None, int | None]]:
     """``(policy, fraction, budget)`` of every cell: full KV once, then each policy at each fraction of the
     video's tokens (at least one block)."""
-    specs = [PolicySpec.parse(p, {}) if isinstance(p, str) else p for p in policies]
+    specs = [pruning.parse(p, {}) if isinstance(p, str) else p for p in policies]
     cells: list[tuple[PolicySpec, float | None, int | None]] = [(PolicySpec.parse("none", {}), None, None)]
     cells += [(p, f, max(block_size, round(f * video_tokens))) for f in fractions for p in specs
-              if p.policy != "none"]
+              if pruning.budgeted(p)]
     return cells
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from cords_vllm.config import kv_policy_args
+from cords_vllm.lab.bench import pruning
 from cords_vllm.lab.bench.workload import PolicySpec, VideoWorkload
 from cords_vllm.utils import cdiv
 
@@ -126,9 +127,9 @@ def run_offline(model_dir: str | Path, spec: PolicySpec, workload: VideoWorkload
     from cords_vllm.integration.inprocess.llm import make_llm
 
     requests = workload.requests()
-    kwargs = {}
+    config, kwargs = pruning.split(spec, spec.config.get("budget"), workload.video_tokens)
     if spec.policy != "none":
-        kwargs.update(kv_policy_args(spec.policy, **spec.config))
+        kwargs.update(kv_policy_args(spec.policy, **config))
     prompt_len = prompt_tokens(model_dir, requests[0].prompt, workload)
     llm = make_llm(model_dir, **settings.engine_kwargs(model_dir, workload, prompt_len), **kwargs)
     engine = llm.llm_engine

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cords_vllm.lab.synthetic import make_video, video_tokens
+from cords_vllm.lab.synthetic.video import with_metadata
 from cords_vllm.lab.vqa import VideoGeometry, make_split
 from cords_vllm.utils import cdiv
 
@@ -32,16 +33,20 @@ class BenchRequest:
     question: str = QUESTION
     answer: str | None = None
     tag: str = ""
+    #: Frame rate the video is sent with (its metadata; Qwen2.5-VL needs it); ``None``: bare frames.
+    fps: float | None = None
 
     def engine_input(self) -> dict:
-        return {"prompt": self.prompt, "multi_modal_data": {"video": self.frames}}
+        video = self.frames if self.fps is None else with_metadata(self.frames, self.fps)
+        return {"prompt": self.prompt, "multi_modal_data": {"video": video}}
 
 
 @dataclass(frozen=True)
 class VideoWorkload:
     """``num_requests`` videos of ``frames`` frames at ``size`` x ``size`` pixels.
 
-    ``rate``: Poisson arrivals at this many requests per second; ``None``: all arrive at once.
+    ``rate``: Poisson arrivals at this many requests per second; ``None``: all arrive at once. ``fps``: send each
+    video with its times at this frame rate (Qwen2.5-VL, Qwen3-VL); ``None``: bare frames.
     """
 
     num_requests: int = 16
@@ -50,6 +55,7 @@ class VideoWorkload:
     max_tokens: int = 16
     rate: float | None = None
     seed: int = 0
+    fps: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_requests < 1 or self.frames < 2 or self.frames % 2 or self.size % 28:
@@ -68,7 +74,7 @@ class VideoWorkload:
         arrivals = np.cumsum(gaps) - (gaps[0] if self.rate else 0.0)
         return [BenchRequest(request_id=f"req-{i}", prompt=PROMPT.format(question=QUESTION),
                              frames=make_video(self.frames, self.size, self.size, seed=self.seed + i).frames,
-                             arrival=float(arrivals[i]))
+                             arrival=float(arrivals[i]), fps=self.fps)
                 for i in range(self.num_requests)]
 
 

@@ -176,6 +176,16 @@ def make_video(
                           needle_colour=colour_name)
 
 
+def with_metadata(frames: np.ndarray, fps: float = 2.0, first: int = 0) -> tuple[np.ndarray, dict]:
+    """A decoded video as vLLM's offline ``multi_modal_data`` takes it with its times: ``(frames, metadata)``,
+    frames ``first .. first + T - 1`` of a ``fps`` camera, none re-sampled. Qwen2.5-VL needs it (its temporal
+    positions follow time), Qwen3-VL reads its timestamps from it; Qwen2-VL ignores it."""
+    n = len(frames)
+    return frames, {"fps": float(fps), "duration": (first + n) / fps, "total_num_frames": first + n,
+                    "frames_indices": list(range(first, first + n)), "video_backend": "opencv",
+                    "do_sample_frames": False}
+
+
 def encode_mp4(frames: np.ndarray, fps: float = 2.0) -> bytes:
     """Encode ``uint8 [T, H, W, 3]`` RGB frames as an MP4 (``mp4v``) with OpenCV; returns the file bytes."""
     import cv2

@@ -39,20 +39,20 @@ def candidate_tokens(geometry: VideoGeometry, inputs: str = "video") -> int:
     raise ValueError(f"inputs must be 'video' or 'images', got {inputs!r}")
 
 
-def predict_vllm(llm: Any, examples: Sequence[VQAExample], *, chunk: int = 64,
+def predict_vllm(llm: Any, examples: Sequence[VQAExample], *, chunk: int = 64, fps: float | None = None,
                  **generate_kwargs: Any) -> list[str]:
     """Greedy one-token answers of a ``vllm.LLM`` to ``examples`` (raw prompts, numpy video frames).
 
     Requests are submitted ``chunk`` at a time: the engine preprocesses every submitted video up front
     (float32 patches, ~10 MB per 64-frame 112x112 video), so one call with thousands of videos would hold
-    them all in memory.
+    them all in memory. ``fps``: send each video with its times (Qwen2.5-VL needs them).
     """
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=1)
     texts: list[str] = []
     for i in range(0, len(examples), chunk):
-        requests = [e.vllm_request() for e in examples[i:i + chunk]]
+        requests = [e.vllm_request(fps=fps) for e in examples[i:i + chunk]]
         outputs = llm.generate(requests, params, use_tqdm=False, **generate_kwargs)
         texts += [o.outputs[0].text for o in outputs]
     return texts

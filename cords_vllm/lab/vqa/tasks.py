@@ -34,6 +34,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from cords_vllm.lab.synthetic.video import with_metadata
 from cords_vllm.lab.vqa.prompt import INPUT_SHAPES, build_prompt, chat_messages
 from cords_vllm.lab.vqa.video import (
     COLOUR_NAMES,
@@ -256,12 +257,15 @@ class VQAExample:
         """Chat messages that the shipped chat template renders to :attr:`prompt`."""
         return chat_messages(self.question, video)
 
-    def vllm_request(self, inputs: str = "video") -> dict[str, Any]:
+    def vllm_request(self, inputs: str = "video", fps: float | None = None) -> dict[str, Any]:
         """The offline vLLM request: ``{"prompt": ..., "multi_modal_data": {"video": frames}}`` (a writable
-        copy of the frames, which the engine wraps in a tensor), or with ``inputs="images"`` every frame as its
-        own image, in order (``{"image": [frame, ...]}``), as evaluation clients send a video."""
+        copy of the frames, which the engine wraps in a tensor; with ``fps``, the frames and their times, which
+        Qwen2.5-VL and Qwen3-VL need), or with ``inputs="images"`` every frame as its own image, in order
+        (``{"image": [frame, ...]}``), as evaluation clients send a video."""
         if inputs == "video":
-            return {"prompt": self.prompt, "multi_modal_data": {"video": np.array(self.frames)}}
+            frames = np.array(self.frames)
+            return {"prompt": self.prompt,
+                    "multi_modal_data": {"video": frames if fps is None else with_metadata(frames, fps)}}
         if inputs == "images":
             return {"prompt": build_prompt(self.question, images=len(self.frames)),
                     "multi_modal_data": {"image": [np.array(f) for f in self.frames]}}
