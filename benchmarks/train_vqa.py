@@ -70,7 +70,7 @@ from cords_vllm.lab.vqa import (
     make_example,
     make_split,
 )
-from cords_vllm.lab.vqa.hf import HFEncoder, answer_logits, fast_vision_attention, predict
+from cords_vllm.lab.vqa.hf import HFEncoder, answer_logits, fast_vision_attention, predict, video_t_factor
 from cords_vllm.lab.vqa.model import TRAINING_RECORD
 from cords_vllm.lab.vqa.stream_task import (
     STREAM_SPLIT_SEEDS,
@@ -126,6 +126,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     g = p.add_argument_group("evaluation and output")
     g.add_argument("--init", default=None, help="starting checkpoint (default: the untrained base model)")
+    g.add_argument("--family", default="qwen2_vl", choices=("qwen2_vl", "qwen2_5_vl"),
+                   help="architecture of the untrained base model (default: %(default)s)")
+    g.add_argument("--init-text", default=None,
+                   help="copy the text model (embeddings, decoder, head) from this checkpoint of the same text "
+                        "geometry and tokenizer, e.g. the shipped Qwen2-VL model when training a Qwen2.5-VL one")
+    g.add_argument("--fps", type=float, default=2.0,
+                   help="the videos' frame rate: Qwen2.5-VL's temporal positions follow it (default: %(default)s)")
     g.add_argument("--output", default=None, help="output directory (default: .cache/vqa-runs/<time>)")
     g.add_argument("--eval-every", type=int, default=50, help="monitor evaluation period in steps")
     g.add_argument("--monitor-per-family", type=int, default=32)
@@ -327,6 +334,21 @@ def data_description(families: Sequence[Family], geometry: VideoGeometry, args: 
     }
 
 
+def copy_text_model(model: Any, source: Path) -> None:
+    """Load the text model's weights (embeddings, decoder layers, final norm, LM head) of ``source`` into
+    ``model``; every copied tensor must exist with the same shape (the tokenizers must agree too)."""
+    from transformers import AutoModelForImageTextToText
+
+    src = AutoModelForImageTextToText.from_pretrained(source, dtype=torch.float32).state_dict()
+    own = model.state_dict()
+    text = {k: v for k, v in src.items() if k.startswith(("model.language_model.", "lm_head."))}
+    missing = [k for k in text if k not in own or own[k].shape != text[k].shape]
+    if missing or not text:
+        raise SystemExit(f"--init-text {source}: text weights do not match this model ({missing[:3]} ...)")
+    model.load_state_dict(text, strict=False)
+    print(f"text model ({len(text)} tensors) copied from {source}", flush=True)
+
+
 def fingerprint(examples: Sequence[VQAExample]) -> str:
     """sha256 of the frames and answers of ``examples`` (detects a changed generator)."""
     h = hashlib.sha256()
@@ -339,11 +361,11 @@ def fingerprint(examples: Sequence[VQAExample]) -> str:
 def heldout_eval_hf(ckpt: Path, families: Sequence[Family], args: argparse.Namespace,
                     frame_counts: Sequence[int]) -> tuple[dict[str, Any], dict[str, list[str]]]:
     """HF (fp32 compute) held-out reports and predictions of the saved checkpoint, per frame count."""
-    from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
+    from transformers import AutoModelForImageTextToText, AutoProcessor
 
     processor = AutoProcessor.from_pretrained(ckpt)
-    model = Qwen2VLForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32).eval()
-    encoder = HFEncoder(processor.tokenizer)
+    model = AutoModelForImageTextToText.from_pretrained(ckpt, dtype=torch.float32).eval()
+    encoder = HFEncoder(processor.tokenizer, video_t_factor(model.config, args.fps))
     out, predictions = {}, {}
     cells = [(frames, "video") for frames in frame_counts]
     if "images" in input_shapes(args):
@@ -370,6 +392,11 @@ def input_shapes(args: argparse.Namespace) -> list[str]:
     return list(dict.fromkeys(shapes))
 
 
+def vllm_fps(args: argparse.Namespace) -> float | None:
+    """The frame rate videos are sent to vLLM with (``None``: bare frames, as the Qwen2-VL model was trained)."""
+    return None if args.family == "qwen2_vl" else args.fps
+
+
 def vllm_eval(ckpt: Path, families: Sequence[Family], args: argparse.Namespace) -> dict[str, Any]:
     """Held-out accuracy through the in-process vLLM engine (fp32), plus the CI test split's predictions."""
     from vllm import LLM
@@ -382,14 +409,14 @@ def vllm_eval(ckpt: Path, families: Sequence[Family], args: argparse.Namespace) 
     if args.vllm_per_family:
         exs = make_split(families, args.vllm_per_family, "heldout", geometry=geometry)
         t0 = time.time()
-        result["heldout_predictions"] = predict_vllm(llm, exs)
+        result["heldout_predictions"] = predict_vllm(llm, exs, fps=vllm_fps(args))
         result["heldout"] = accuracy_report(exs, result["heldout_predictions"])
         result["heldout_seconds"] = round(time.time() - t0, 1)
         print(f"vLLM held-out ({args.vllm_per_family}/family):\n{format_report(result['heldout'])}",
               flush=True)
     if args.test_per_family:
         exs = make_split(families, args.test_per_family, "test", geometry=geometry)
-        preds = predict_vllm(llm, exs)
+        preds = predict_vllm(llm, exs, fps=vllm_fps(args))
         report = accuracy_report(exs, preds)
         result["test_split"] = {"per_family": args.test_per_family, "fingerprint": fingerprint(exs),
                                 "predictions": preds, "report": report}
@@ -436,7 +463,7 @@ def measure(ckpt: Path, families: Sequence[Family], args: argparse.Namespace, re
 
 
 def train(args: argparse.Namespace) -> None:
-    from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
+    from transformers import AutoModelForImageTextToText, AutoProcessor
 
     torch.manual_seed(args.seed)
     if args.threads:
@@ -444,11 +471,13 @@ def train(args: argparse.Namespace) -> None:
     families = make_families(args)
     out = Path(args.output or Path(".cache/vqa-runs") / time.strftime("%Y%m%d-%H%M%S"))
     out.mkdir(parents=True, exist_ok=True)
-    init = Path(args.init) if args.init else build_base_model(seed=args.seed)
+    init = Path(args.init) if args.init else build_base_model(seed=args.seed, family=args.family)
     processor = AutoProcessor.from_pretrained(init)
-    model = Qwen2VLForConditionalGeneration.from_pretrained(init, dtype=torch.float32)
+    model = AutoModelForImageTextToText.from_pretrained(init, dtype=torch.float32)
+    if args.init_text:
+        copy_text_model(model, Path(args.init_text))
     model.train()
-    encoder = HFEncoder(processor.tokenizer)
+    encoder = HFEncoder(processor.tokenizer, video_t_factor(model.config, args.fps))
     for word in answer_vocabulary(families):
         encoder.answer_id(word)  # fails early if an answer is not one token
     geometry = VideoGeometry(args.frames, args.size)
@@ -539,8 +568,9 @@ def train(args: argparse.Namespace) -> None:
     if args.save_dtype != "float32":
         save_checkpoint(model, processor, full, "float32")
     record: dict[str, Any] = {
-        "model": {"architecture": "Qwen2VLForConditionalGeneration", "parameters": n_params,
-                  "base_spec": dataclasses.asdict(base_model_spec(seed=args.seed)),
+        "model": {"architecture": type(model).__name__, "parameters": n_params,
+                  "base_spec": dataclasses.asdict(base_model_spec(seed=args.seed, family=args.family)),
+                  "text_model_from": args.init_text, "fps": args.fps,
                   "weights_dtype": args.save_dtype,
                   "init": "untrained base model (cords_vllm.lab.vqa.build_base_model)" if args.init is None
                   else "continued from an earlier run (training.continued_from)"},

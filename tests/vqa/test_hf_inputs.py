@@ -109,3 +109,22 @@ def test_patchify_rejects_bad_shapes() -> None:
         patchify(np.zeros((1, 3, 56, 56, 3), np.uint8))
     with pytest.raises(ValueError):
         patchify(np.zeros((1, 2, 42, 56, 3), np.uint8))
+
+
+def test_qwen2_5_vl_training_inputs_equal_the_reference_and_its_processor(tmp_path) -> None:
+    """Training a Qwen2.5-VL video-QA model: the fast encoder's ids, patches and time-scaled M-RoPE positions
+    (``video_t_factor``) equal the HF reference's, which takes them from the processor given the videos' fps."""
+    from cords_vllm.lab.reference.hf import HFReference
+    from cords_vllm.lab.vqa.hf import video_t_factor
+    from cords_vllm.lab.vqa.model import build_base_model
+
+    path = build_base_model(tmp_path, family="qwen2_5_vl")
+    reference = HFReference(str(path), fps=2.0)
+    assert video_t_factor(reference.config, 2.0) == 2.0 and video_t_factor(reference.config, 4.0) == 1.0
+    ex = make_example("order", 2, geometry=GEOMETRY)
+    encoder = HFEncoder(reference.processor.tokenizer, video_t_factor(reference.config, 2.0))
+    batch = encoder.encode([ex])
+    ids, _, positions, _ = reference.encode(ex.prompt, np.array(ex.frames))
+    assert torch.equal(ids, batch.input_ids[0])
+    assert torch.equal(positions, batch.position_ids[:, 0])
+    assert int(positions[0].max()) > int(HFEncoder(reference.processor.tokenizer).encode([ex]).position_ids[0].max())

@@ -146,11 +146,23 @@ class HFBatch:
         return {"input_ids": self.input_ids, "position_ids": self.position_ids, **vision}
 
 
+def video_t_factor(config: Any, fps: float = 2.0) -> float:
+    """Temporal positions per temporal patch of a video at ``fps`` for a model ``config``: Qwen2.5-VL's
+    ``second_per_grid_t * tokens_per_second`` (``temporal_patch_size / fps`` seconds a patch), else 1."""
+    vision = getattr(config, "vision_config", None)
+    per_second = getattr(vision, "tokens_per_second", None)
+    if not per_second:
+        return 1.0
+    return getattr(vision, "temporal_patch_size", TEMPORAL_PATCH) / fps * per_second
+
+
 class HFEncoder:
     """Turns :class:`VQAExample` s into :class:`HFBatch` es for one tokenizer (prompt layouts cached)."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, t_factor: float = 1.0) -> None:
         self.tokenizer = tokenizer
+        #: Temporal positions per temporal patch of a video (:func:`video_t_factor`).
+        self.t_factor = t_factor
         self.video_pad_id = int(tokenizer.convert_tokens_to_ids(VIDEO_PAD))
         self.image_pad_id = int(tokenizer.convert_tokens_to_ids(IMAGE_PAD))
         pad = tokenizer.pad_token_id
@@ -179,7 +191,7 @@ class HFEncoder:
                 raise ValueError(f"the prompt must hold one {VIDEO_PAD} token, found {len(where)}")
             start, n = where[0], geometry.num_video_tokens
             full = ids[:start] + [self.video_pad_id] * n + ids[start + 1:]
-            positions = mrope_positions(start, geometry.llm_grid, len(full) - start - n)
+            positions = mrope_positions(start, geometry.llm_grid, len(full) - start - n, self.t_factor)
             layout = PromptLayout(torch.tensor(full, dtype=torch.long), positions, start, start + n)
         elif inputs == "images":
             ids = self.tokenizer.encode(build_prompt(question, images=geometry.num_frames), add_special_tokens=False)
@@ -252,8 +264,8 @@ def predict(model: Any, encoder: HFEncoder, examples: Sequence[VQAExample], *, b
     return out
 
 
-#: HF's own ``VisionAttention.forward`` while :func:`fast_vision_attention` is active (fallback path).
-_ORIGINAL_VISION_FORWARD: list[Any] = []
+#: HF's own vision attention ``forward`` per class while :func:`fast_vision_attention` is active (fallback path).
+_ORIGINAL_VISION_FORWARD: dict[type, Any] = {}
 
 
 def _batched_vision_attention(self: Any, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -267,7 +279,7 @@ def _batched_vision_attention(self: Any, hidden_states: torch.Tensor, cu_seqlens
 
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     if position_embeddings is None or not bool((lengths == lengths[0]).all()):
-        return _ORIGINAL_VISION_FORWARD[0](self, hidden_states, cu_seqlens, position_embeddings, max_seqlen,
+        return _ORIGINAL_VISION_FORWARD[type(self)](self, hidden_states, cu_seqlens, position_embeddings, max_seqlen,
                                            **kwargs)
     chunks, chunk_len = lengths.numel(), int(lengths[0])
     seq = hidden_states.shape[0]
@@ -281,14 +293,20 @@ def _batched_vision_attention(self: Any, hidden_states: torch.Tensor, cu_seqlens
 
 @contextlib.contextmanager
 def fast_vision_attention() -> Iterator[None]:
-    """Within the block, HF Qwen2-VL's vision attention runs all frames in one SDPA call instead of a
-    Python loop over frames (several times faster for 32+ temporal patches; identical math)."""
+    """Within the block, HF Qwen2-VL's (and Qwen2.5-VL's) vision attention runs all frames in one SDPA call instead
+    of a Python loop over frames (several times faster for 32+ temporal patches; identical math). Qwen2.5-VL's
+    window attention takes the same path when its windows are equal (a window covering a whole frame)."""
+    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as qwen25
     from transformers.models.qwen2_vl import modeling_qwen2_vl as qwen
 
-    original = qwen.VisionAttention.forward
-    _ORIGINAL_VISION_FORWARD[:] = [original]
-    qwen.VisionAttention.forward = _batched_vision_attention
+    classes = (qwen.VisionAttention, qwen25.Qwen2_5_VLVisionAttention)
+    originals = [c.forward for c in classes]
+    _ORIGINAL_VISION_FORWARD.clear()
+    _ORIGINAL_VISION_FORWARD.update(zip(classes, originals, strict=True))
+    for cls in classes:
+        cls.forward = _batched_vision_attention
     try:
         yield
     finally:
-        qwen.VisionAttention.forward = original
+        for cls, original in zip(classes, originals, strict=True):
+            cls.forward = original

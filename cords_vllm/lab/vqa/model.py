@@ -24,14 +24,15 @@ SHIPPED_CHECKPOINT = Path(__file__).resolve().parent.parent / "assets" / "tiny_v
 TRAINING_RECORD = "training.json"
 
 
-def base_model_spec(*, dtype: str = "float32", seed: int = 0) -> TinyModelSpec:
-    """The :class:`TinyModelSpec` training starts from: default tiny geometry plus :data:`ANSWER_TOKENS`."""
-    return TinyModelSpec(extra_tokens=ANSWER_TOKENS, dtype=dtype, seed=seed)
+def base_model_spec(*, dtype: str = "float32", seed: int = 0, family: str = "qwen2_vl") -> TinyModelSpec:
+    """The :class:`TinyModelSpec` training starts from: default tiny geometry of ``family`` plus
+    :data:`ANSWER_TOKENS`."""
+    return TinyModelSpec(extra_tokens=ANSWER_TOKENS, dtype=dtype, seed=seed, family=family)
 
 
-def build_base_model(cache_dir: str | os.PathLike | None = None, *, seed: int = 0) -> Path:
-    """Directory of the untrained fp32 base checkpoint (built on first use, cached)."""
-    return build_tiny_qwen2vl(base_model_spec(seed=seed), cache_dir=cache_dir)
+def build_base_model(cache_dir: str | os.PathLike | None = None, *, seed: int = 0, family: str = "qwen2_vl") -> Path:
+    """Directory of the untrained fp32 base checkpoint of ``family`` (built on first use, cached)."""
+    return build_tiny_qwen2vl(base_model_spec(seed=seed, family=family), cache_dir=cache_dir)
 
 
 def shipped_checkpoint() -> Path:

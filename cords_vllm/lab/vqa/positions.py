@@ -13,8 +13,12 @@ import numpy as np
 import torch
 
 
-def mrope_positions(num_before: int, grid: tuple[int, int, int], num_after: int) -> torch.Tensor:
+def mrope_positions(num_before: int, grid: tuple[int, int, int], num_after: int,
+                    t_factor: float = 1.0) -> torch.Tensor:
     """Position ids of ``num_before`` text tokens, one video, then ``num_after`` text tokens.
+
+    ``t_factor``: temporal positions per temporal patch (Qwen2.5-VL: ``second_per_grid_t * tokens_per_second``,
+    truncated to integers as vLLM does; 1 for Qwen2-VL).
 
     Parameters
     ----------
@@ -33,6 +37,9 @@ def mrope_positions(num_before: int, grid: tuple[int, int, int], num_after: int)
     if min(num_before, num_after) < 0 or min(t, h, w) <= 0:
         raise ValueError(f"invalid segment sizes: before={num_before}, grid={grid}, after={num_after}")
     before = np.broadcast_to(np.arange(num_before), (3, num_before))
-    video = np.indices((t, h, w)).reshape(3, -1) + num_before
+    indices = np.indices((t, h, w))
+    if t_factor != 1.0:
+        indices[0] = (indices[0] * t_factor).astype(np.int64)
+    video = indices.reshape(3, -1) + num_before
     after = np.broadcast_to(np.arange(num_after), (3, num_after)) + video.max() + 1
     return torch.from_numpy(np.concatenate([before, video, after], axis=1).astype(np.int64))
