@@ -92,6 +92,16 @@ class ModelFacts:
         return self.frames_from == FRAMES_FROM_MROPE and not self.hybrid
 
     @property
+    def streams_unsupported(self) -> str | None:
+        """Why the stream API cannot serve this model (``None``: it can). A stream's turns are written in the
+        Qwen-VL chat markup, each clip as ``<|vision_start|><|video_pad|><|vision_end|>``."""
+        if not self.vision_markers or "video" not in self.placeholder_token_ids:
+            return (f"live streams write the Qwen-VL chat markup (<|vision_start|><|video_pad|><|vision_end|> per "
+                    f"clip), which this model ({self.model_type or 'unknown type'}) does not use; send its videos "
+                    "through /v1/chat/completions")
+        return None
+
+    @property
     def finds_frames(self) -> bool:
         if self.frames_from == FRAMES_FROM_LAYOUT:
             return self.tokens_per_frame is not None and self.tokens_per_frame > 0

@@ -213,13 +213,16 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
               "unchanged"), (410, "the stream has ended (`error.message` says why)"),
         (413, "too many frames in one push, or a push or question longer than --max-model-len on its own: "
               "refused, the stream is unchanged"),
-        (429, "the cap on open streams is reached, or the KV pool is committed to the open streams"))}
+        (429, "the cap on open streams is reached, or the KV pool is committed to the open streams"),
+        (501, "this server's model cannot be streamed (`error.message` says why)"))}
 
 
 @router.post("", status_code=201, response_model=StreamObject, responses=_ERRORS,
              summary="Open a live video stream")
 async def open_stream(request: Request, body: OpenStreamRequest | None = None) -> Any:
     registry = _registry(request)
+    if registry.unsupported is not None:
+        raise APIError(501, registry.unsupported, kind="NotImplementedError")
     body = body or OpenStreamRequest()
     overrides = body.kv_policy.model_dump(exclude_none=True) if body.kv_policy else {}
     if overrides:

@@ -72,7 +72,11 @@ class StreamsPlugin:
                                   max_model_len=vllm_config.model_config.max_model_len,
                                   count_text=_text_counter(encode, facts),
                                   turn_tokens=_turn_counter(encode, facts, vllm_config))
+        registry.unsupported = facts.streams_unsupported
         setattr(state, STATE_KEY, registry)
+        if registry.unsupported is not None:
+            logger.warning("cords-vllm: stream API on /v1/streams refuses new streams: %s", registry.unsupported)
+            return
         capacity = registry.capacity()
         logger.info("cords-vllm: stream API on /v1/streams: idle timeout %g s; a stream holds at most %d KV "
                     "blocks, so %d streams fit the pool of %s blocks (--kv-stream-max-open %d)",

@@ -86,6 +86,8 @@ class StreamRegistry:
                  turn_tokens: Callable[[str, Any], tuple[int, int]] | None = None) -> None:
         self.engine = engine
         self.limits = limits
+        #: Why this server's model cannot stream (``POST /v1/streams`` answers 501 with it); ``None``: it can.
+        self.unsupported: str | None = None
         self.policy = policy or KVPolicyConfig()
         self.model_name = model_name
         self.block_size = block_size
