@@ -148,7 +148,9 @@ def _assert_same_kept(one: list, two: list) -> None:
             assert torch.equal(a, b), f"at token {at1}, layer {layer}: kept ids differ from TP=1"
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+#: The default suite runs the joint token case (one-shot and session: one TP=1 and one TP=2 engine); the others
+#: start two more engines each and run with ``-m slow`` (``make test-slow``).
+@pytest.mark.parametrize("name", [n if n == "token" else pytest.param(n, marks=pytest.mark.slow) for n in CONFIGS])
 def test_tp2_keeps_the_tokens_and_answers_of_tp1(runs, name):
     tp1, tp2 = runs(name)
     _assert_same_kept(tp1["kept"], tp2["kept"])
