@@ -78,6 +78,47 @@ def vllm_mrope_positions(input_ids: Sequence[int], grids: Mapping[int, Sequence[
     return torch.from_numpy(np.ascontiguousarray(pos)).long(), delta
 
 
+def check_chunks(length: int, chunk_sizes: Sequence[int] | None,
+                 evictions: Mapping[int, Sequence[torch.Tensor]] | None) -> tuple[list[int], dict]:
+    """``(chunks, evictions)`` of a reference run over ``length`` prompt tokens: every chunk positive, their sum the
+    prompt, every eviction at a chunk start (``ValueError`` otherwise)."""
+    chunks = list(chunk_sizes) if chunk_sizes is not None else [length]
+    if sum(chunks) != length or any(c <= 0 for c in chunks):
+        raise ValueError(f"chunk_sizes must be positive and sum to the prompt length {length}")
+    evictions = dict(evictions or {})
+    starts = set(np.cumsum([0, *chunks[:-1]]).tolist())
+    if not set(evictions) <= starts:
+        raise ValueError(f"evictions at {sorted(set(evictions) - starts)} are not chunk starts")
+    return chunks, evictions
+
+
+def evict(cache, held: list[torch.Tensor], keep_per_layer: Sequence[torch.Tensor],
+          layers: Sequence[int] | None = None) -> None:
+    """Keep only ``keep_per_layer[i]`` (logical ids, ``[n]`` or ``[H, n]``) in cache layer ``layers[i]`` (default:
+    layer ``i``) of an HF ``DynamicCache``.
+
+    ``held[i]`` is ``long [H, T]``: the logical id of each entry of that layer's cache (``keys`` ``[1, H, T, D]``),
+    per KV head, in cache order; both are gathered in place to the kept ids, in the order given.
+    """
+    if len(keep_per_layer) != len(held):
+        raise ValueError(f"eviction needs one keep tensor per attention layer ({len(held)}), got "
+                         f"{len(keep_per_layer)}")
+    layers = list(range(len(held))) if layers is None else list(layers)
+    for slot, (layer, keep) in enumerate(zip(layers, keep_per_layer, strict=True)):
+        ids = held[slot]
+        keep = torch.as_tensor(keep, dtype=torch.long)
+        keep = keep.expand(ids.shape[0], -1) if keep.dim() == 1 else keep
+        match = ids.unsqueeze(2) == keep.unsqueeze(1)  # [H, T, n_keep]
+        if not bool(match.any(dim=1).all()):
+            raise ValueError(f"layer {layer}: eviction keeps ids that are not held")
+        index = match.float().argmax(dim=1)  # [H, n_keep]: where each kept id sits in the cache
+        entry = cache.layers[layer]
+        gather = index[None, :, :, None].expand(entry.keys.shape[0], -1, -1, entry.keys.shape[-1])
+        entry.keys = torch.gather(entry.keys, 2, gather).contiguous()
+        entry.values = torch.gather(entry.values, 2, gather).contiguous()
+        held[slot] = torch.gather(ids, 1, index)
+
+
 @dataclass
 class ReferenceResult:
     """Output of :func:`run_reference`.
@@ -231,13 +272,7 @@ class HFReference:
         enc = self.encoded(prompt, video, images=images)
         emb, pos, delta = enc.embeds, enc.positions, enc.delta
         length = int(enc.ids.numel())
-        chunks = list(chunk_sizes) if chunk_sizes is not None else [length]
-        if sum(chunks) != length or any(c <= 0 for c in chunks):
-            raise ValueError(f"chunk_sizes must be positive and sum to the prompt length {length}")
-        evictions = dict(evictions or {})
-        starts = set(np.cumsum([0, *chunks[:-1]]).tolist())
-        if not set(evictions) <= starts:
-            raise ValueError(f"evictions at {sorted(set(evictions) - starts)} are not chunk starts")
+        chunks, evictions = check_chunks(length, chunk_sizes, evictions)
 
         from transformers import DynamicCache
 
@@ -301,24 +336,7 @@ class HFReference:
         return [i for i, kind in enumerate(types) if kind == "full_attention"]
 
     def _evict(self, cache, held: list[torch.Tensor], keep_per_layer: Sequence[torch.Tensor]) -> None:
-        if len(keep_per_layer) != len(held):
-            raise ValueError(f"eviction needs one keep tensor per attention layer ({len(held)}), got "
-                             f"{len(keep_per_layer)}")
-        for layer, keep in zip(self.attention_layers, keep_per_layer, strict=True):
-            slot = self.attention_layers.index(layer)
-            h = held[slot]  # [H, T] logical ids in cache order
-            keep = torch.as_tensor(keep, dtype=torch.long)
-            keep = keep.expand(h.shape[0], -1) if keep.dim() == 1 else keep
-            # position of each kept logical id inside this layer/head's cache
-            match = h.unsqueeze(2) == keep.unsqueeze(1)  # [H, T, n_keep]
-            if not bool(match.any(dim=1).all()):
-                raise ValueError(f"layer {layer}: eviction keeps ids that are not held")
-            index = match.float().argmax(dim=1)  # [H, n_keep]
-            entry = cache.layers[layer]
-            gather = index[None, :, :, None].expand(entry.keys.shape[0], -1, -1, entry.keys.shape[-1])
-            entry.keys = torch.gather(entry.keys, 2, gather).contiguous()
-            entry.values = torch.gather(entry.values, 2, gather).contiguous()
-            held[slot] = torch.gather(h, 1, index)
+        evict(cache, held, keep_per_layer, self.attention_layers)
 
 
 #: The name from before other families (the class reads the family from the checkpoint).

@@ -17,30 +17,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from cords_vllm.lab.reference.hf import ReferenceResult
-
-
-def evict(cache, held: list[torch.Tensor], keep_per_layer: Sequence[torch.Tensor]) -> None:
-    """Keep only ``keep_per_layer[l]`` (logical ids, ``[n]`` or ``[H, n]``) in layer ``l`` of an HF ``DynamicCache``.
-
-    ``held[l]`` is ``long [H, T]``: the logical id of each entry of layer ``l``'s cache (``keys`` ``[1, H, T, D]``),
-    per KV head, in cache order; both are gathered in place to the kept ids, in the order given.
-    """
-    if len(keep_per_layer) != len(held):
-        raise ValueError(f"eviction needs one keep tensor per layer ({len(held)}), got {len(keep_per_layer)}")
-    for layer, keep in enumerate(keep_per_layer):
-        ids = held[layer]
-        keep = torch.as_tensor(keep, dtype=torch.long)
-        keep = keep.expand(ids.shape[0], -1) if keep.dim() == 1 else keep
-        match = ids.unsqueeze(2) == keep.unsqueeze(1)  # [H, T, n_keep]
-        if not bool(match.any(dim=1).all()):
-            raise ValueError(f"layer {layer}: eviction keeps ids that are not held")
-        index = match.float().argmax(dim=1)  # [H, n_keep]: where each kept id sits in the cache
-        entry = cache.layers[layer]
-        gather = index[None, :, :, None].expand(entry.keys.shape[0], -1, -1, entry.keys.shape[-1])
-        entry.keys = torch.gather(entry.keys, 2, gather).contiguous()
-        entry.values = torch.gather(entry.values, 2, gather).contiguous()
-        held[layer] = torch.gather(ids, 1, index)
+from cords_vllm.lab.reference.hf import ReferenceResult, check_chunks, evict
 
 
 class HFLlavaNextVideoReference:
@@ -107,13 +84,7 @@ class HFLlavaNextVideoReference:
 
         ids, emb, pos, _ = self.encode(prompt, video)
         length = int(ids.numel())
-        chunks = list(chunk_sizes) if chunk_sizes is not None else [length]
-        if sum(chunks) != length or any(c <= 0 for c in chunks):
-            raise ValueError(f"chunk_sizes must be positive and sum to the prompt length {length}")
-        evictions = dict(evictions or {})
-        starts = set(np.cumsum([0, *chunks[:-1]]).tolist())
-        if not set(evictions) <= starts:
-            raise ValueError(f"evictions at {sorted(set(evictions) - starts)} are not chunk starts")
+        chunks, evictions = check_chunks(length, chunk_sizes, evictions)
 
         lm = self.model.model.language_model
         text = self.config.text_config

@@ -20,12 +20,10 @@ import dataclasses
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from cords_vllm.lab.synthetic.tiny_model import SPECIAL_TOKENS, TinyModelSpec, default_cache_dir
+from cords_vllm.lab.synthetic.tiny_model import SPECIAL_TOKENS, TinyModelSpec, build_cached
 
 #: Bumped whenever the builder changes what it writes, so stale caches are never reused.
 BUILD_FORMAT_VERSION = 1
@@ -139,22 +137,7 @@ def build_tiny_llava_next_video(spec: TinyLlavaSpec | None = None,
     safe (each builds into a private directory; the first atomic rename wins).
     """
     spec = spec or TinyLlavaSpec()
-    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    target = root / f"tiny-llavanextvideo-{spec.cache_key()}"
-    if (target / "cords_tiny_spec.json").is_file():
-        return target
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=root))
-    try:
-        _write_checkpoint(spec, tmp)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / "cords_tiny_spec.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return build_cached(f"tiny-llavanextvideo-{spec.cache_key()}", lambda out: _write_checkpoint(spec, out), cache_dir)
 
 
 def _tokenizer(spec: TinyLlavaSpec):

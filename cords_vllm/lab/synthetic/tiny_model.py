@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -194,14 +195,24 @@ def build_tiny_model(spec: TinyModelSpec | None = None, cache_dir: str | os.Path
     ``chat_template.jinja``: everything ``vllm serve <dir>`` and ``AutoProcessor.from_pretrained`` need.
     """
     spec = spec or TinyModelSpec()
+    name = f"tiny-{spec.family.replace('_', '')}-{spec.cache_key()}"
+    return build_cached(name, lambda out: _write_checkpoint(spec, out), cache_dir)
+
+
+def build_cached(name: str, write: Callable[[Path], None], cache_dir: str | os.PathLike | None = None) -> Path:
+    """``cache_dir / name`` (default: :func:`default_cache_dir`), written by ``write(directory)`` on first use.
+
+    A build is complete once the directory holds ``cords_tiny_spec.json`` (``write`` writes it last). Concurrent
+    builders are safe: each writes into a private temporary directory and the first atomic rename wins.
+    """
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    target = root / f"tiny-{spec.family.replace('_', '')}-{spec.cache_key()}"
+    target = root / name
     if (target / "cords_tiny_spec.json").is_file():
         return target
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=root))
     try:
-        _write_checkpoint(spec, tmp)
+        write(tmp)
         try:
             os.rename(tmp, target)
         except OSError:
