@@ -1,4 +1,4 @@
-"""The tiny Qwen2-VL of the video-QA task: the untrained base model and the shipped trained checkpoint.
+"""The tiny video-QA models: the untrained base model and the shipped trained checkpoints (Qwen2-VL, Qwen2.5-VL).
 
 The base model is :func:`cords_vllm.lab.synthetic.build_tiny_qwen2vl` with the task's colour words added to the
 tokenizer as single tokens (digits already are). The trained checkpoint ships in the package at
@@ -21,6 +21,9 @@ ANSWER_TOKENS: tuple[str, ...] = COLOUR_NAMES
 
 #: Where the trained checkpoint ships (inside the package).
 SHIPPED_CHECKPOINT = Path(__file__).resolve().parent.parent / "assets" / "tiny_vqa"
+#: The trained checkpoint of each family: Qwen2-VL (the demo's), and Qwen2.5-VL (vLLM's video pruning runs on it).
+SHIPPED_CHECKPOINTS = {"qwen2_vl": SHIPPED_CHECKPOINT,
+                       "qwen2_5_vl": SHIPPED_CHECKPOINT.with_name("tiny_vqa_qwen2_5_vl")}
 TRAINING_RECORD = "training.json"
 
 
@@ -35,11 +38,15 @@ def build_base_model(cache_dir: str | os.PathLike | None = None, *, seed: int = 
     return build_tiny_qwen2vl(base_model_spec(seed=seed, family=family), cache_dir=cache_dir)
 
 
-def shipped_checkpoint() -> Path:
-    """Directory of the shipped trained checkpoint; raises ``FileNotFoundError`` if it is missing."""
-    if not (SHIPPED_CHECKPOINT / "config.json").is_file():
-        raise FileNotFoundError(f"no trained video-QA checkpoint at {SHIPPED_CHECKPOINT}")
-    return SHIPPED_CHECKPOINT
+def shipped_checkpoint(family: str = "qwen2_vl") -> Path:
+    """Directory of the shipped trained checkpoint of ``family`` (:data:`SHIPPED_CHECKPOINTS`); raises
+    ``FileNotFoundError`` if it is missing."""
+    if family not in SHIPPED_CHECKPOINTS:
+        raise ValueError(f"no video-QA checkpoint ships for {family!r}; one of {sorted(SHIPPED_CHECKPOINTS)}")
+    path = SHIPPED_CHECKPOINTS[family]
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"no trained video-QA checkpoint at {path}")
+    return path
 
 
 def training_record(checkpoint: str | os.PathLike | None = None) -> dict[str, Any]:
