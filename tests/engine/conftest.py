@@ -13,7 +13,7 @@ import pytest
 from cords_vllm.config import kv_policy_args
 from cords_vllm.integration.inprocess.introspect import record_steps, snapshot
 from cords_vllm.integration.inprocess.llm import make_llm
-from cords_vllm.lab.reference.exactness import chunks_for, evictions_of  # noqa: F401 (the tests' import)
+from cords_vllm.lab.reference.exactness import chunks_for, evictions_of
 from cords_vllm.lab.synthetic import make_video
 
 os.environ["CORDS_VLLM_TRACE"] = "1"
@@ -93,3 +93,25 @@ def hf_reference(tiny_model):
     from cords_vllm.lab.reference.hf import HFQwen2VLReference
 
     return HFQwen2VLReference(tiny_model)
+
+
+def assert_exact_with_control(run: EngineRun, reference, prompt: str, frames, tol: float,
+                              control_factor: float = 50) -> None:
+    """The compressed ``run`` (one request) equals ``reference`` dropping the engine's tokens at the engine's points
+    (greedy tokens, every top log-prob within ``tol``), and the same reference without the evictions differs by
+    more than ``control_factor * tol`` (the negative control). ``reference`` has ``run(prompt, frames, ...)``."""
+    evictions = evictions_of(run.events)
+    steps = len(run.token_ids[0])
+    ref = reference.run(prompt, frames, max_new_tokens=steps, chunk_sizes=chunks_for(run.prompt_lens[0], evictions),
+                        evictions=evictions, forced_tokens=run.token_ids[0])
+    assert ref.token_ids == run.token_ids[0], "greedy tokens differ"
+    assert logprob_gap(run, ref) < tol
+    control = reference.run(prompt, frames, max_new_tokens=steps, forced_tokens=run.token_ids[0])
+    assert logprob_gap(run, control) > control_factor * tol, "the reference without the evictions must differ"
+
+
+def logprob_gap(run: EngineRun, result, index: int = 0) -> float:
+    """Largest ``|engine - reference|`` over the engine's top log-probs of every step of request ``index``."""
+    ref_lp = result.logits.log_softmax(-1)
+    return max(abs(lp - float(ref_lp[step, token])) for step, top in enumerate(run.logprobs[index])
+               for token, lp in top.items())

@@ -23,7 +23,15 @@ from cords_vllm.integration.inprocess.introspect import snapshot
 from cords_vllm.integration.inprocess.llm import make_llm
 from cords_vllm.integration.inprocess.session import EngineSession
 from cords_vllm.lab.synthetic import TinyModelSpec, build_tiny_model
-from tests.engine.conftest import BLOCK, VIDEO_PROMPT, chunks_for, evictions_of, run_engine, video
+from tests.engine.conftest import (
+    BLOCK,
+    VIDEO_PROMPT,
+    assert_exact_with_control,
+    chunks_for,
+    evictions_of,
+    run_engine,
+    video,
+)
 from tests.engine.test_exactness import TOL, _compare
 
 pytestmark = pytest.mark.engine
@@ -66,13 +74,7 @@ def test_compressed_engine_equals_the_hf_reference(family, granularity):
     run = run_engine(path, [{"prompt": VIDEO_PROMPT, "multi_modal_data": {"video": clip(frames)}}], "cords",
                      max_tokens=6, budget=256, slack=64, granularity=granularity)
     assert len(run.events) >= 2, "the prompt must be compressed at least twice"
-    evictions = evictions_of(run.events)
-    ref = reference.run(VIDEO_PROMPT, frames, max_new_tokens=6, chunk_sizes=chunks_for(run.prompt_lens[0], evictions),
-                        evictions=evictions, forced_tokens=run.token_ids[0])
-    assert _compare(run, ref) < TOL
-    control = reference.run(VIDEO_PROMPT, frames, max_new_tokens=6, forced_tokens=run.token_ids[0])
-    ref_lp = control.logits.log_softmax(-1)
-    assert max(abs(v - float(ref_lp[s, t])) for s, top in enumerate(run.logprobs[0]) for t, v in top.items()) > 50 * TOL
+    assert_exact_with_control(run, reference, VIDEO_PROMPT, frames, TOL)
 
     ids = reference.encode(VIDEO_PROMPT, frames)[0]
     assert ids.numel() == run.prompt_lens[0]

@@ -19,7 +19,7 @@ import pytest
 from cords_vllm.lab.reference.exactness import CONTROL_FACTOR
 from cords_vllm.lab.synthetic.tiny_llava import TinyLlavaSpec, build_tiny_llava_next_video
 from cords_vllm.model_facts import FRAMES_FROM_LAYOUT, ModelFacts
-from tests.engine.conftest import chunks_for, evictions_of, run_engine, video
+from tests.engine.conftest import assert_exact_with_control, chunks_for, evictions_of, run_engine, video
 from tests.engine.test_exactness import TOL, _compare
 
 pytestmark = pytest.mark.engine
@@ -78,14 +78,7 @@ def test_compressed_engine_equals_the_hf_reference(llava, granularity):
     run = run_engine(path, [_request(frames)], "cords", max_tokens=6, budget=256, slack=64,
                      granularity=granularity)
     assert len(run.events) >= 2, "the prompt must be compressed at least twice"
-    evictions = evictions_of(run.events)
-    ref = reference.run(PROMPT, frames, max_new_tokens=6, chunk_sizes=chunks_for(run.prompt_lens[0], evictions),
-                        evictions=evictions, forced_tokens=run.token_ids[0])
-    assert _compare(run, ref) < TOL
-    control = reference.run(PROMPT, frames, max_new_tokens=6, forced_tokens=run.token_ids[0])
-    ref_lp = control.logits.log_softmax(-1)
-    gap = max(abs(v - float(ref_lp[s, t])) for s, top in enumerate(run.logprobs[0]) for t, v in top.items())
-    assert gap > CONTROL_FACTOR * TOL, "the reference without the evictions must differ"
+    assert_exact_with_control(run, reference, PROMPT, frames, TOL, CONTROL_FACTOR)
 
     ids = reference.encode(PROMPT, frames)[0]
     assert ids.numel() == run.prompt_lens[0]
