@@ -102,6 +102,7 @@ def test_compressed_engine_equals_the_hf_reference(llava, granularity):
 
 
 
+@pytest.mark.slow  # in -m slow (make test-slow): keeps the default suite under 20 minutes
 def test_a_session_is_compressed_across_turns_without_re_basing(llava):
     """An engine session of 6 clips (not re-based: 1-D positions would shift) compresses across turns at frame
     granularity, keeps its row logical (null entries where it evicted), answers as the HF reference over the

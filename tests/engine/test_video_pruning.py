@@ -68,6 +68,7 @@ def test_evs_prunes_the_videos_tokens_and_answers(family):
     assert pruned.free_blocks_after == pruned.free_blocks_before
 
 
+@pytest.mark.slow  # in -m slow (make test-slow): keeps the default suite under 20 minutes
 def test_vidcom2_runs_on_qwen3_vl(qwen3_vl):
     full = run_engine(qwen3_vl, _request())
     pruned = run_engine(qwen3_vl, _request(), engine_kwargs={**PRUNING, "video_pruning_method": "vidcom2"})
@@ -102,6 +103,7 @@ def _recorded_positions(monkeypatch, path: str, prompt: str) -> torch.Tensor:
     return seen[-1]
 
 
+@pytest.mark.slow  # in -m slow (make test-slow): keeps the default suite under 20 minutes
 def test_qwen3_vl_outer_vision_markers_do_not_shift_the_video(monkeypatch, qwen3_vl):
     """``<|vision_start|><|video_pad|><|vision_end|>`` keeps its outer markers (transformers >= 5.10): the
     positions are the bare placeholder's, one token and one position later (and two after the outer end)."""

@@ -48,3 +48,10 @@ def test_the_architecture_note_names_existing_code():
         assert (REPO / "cords_vllm" / path.rstrip("/")).exists(), path
     for name in re.findall(r"`(\w+\.py)`", text):
         assert list((REPO / "cords_vllm").rglob(name)), name
+
+
+def test_test_modules_have_unique_names():
+    """Test folders are not packages, so pytest imports each test module by its bare name: two with one name stop
+    the whole collection."""
+    names = [p.name for p in (REPO / "tests").rglob("test_*.py")]
+    assert sorted(n for n in set(names) if names.count(n) > 1) == []

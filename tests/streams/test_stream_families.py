@@ -60,6 +60,7 @@ def test_a_live_stream_is_compressed_and_answered(server):
     assert wait_until(lambda: scrape(server.base_url).get("vllm:kv_cache_usage_perc", 1.0) == 0.0)
 
 
+@pytest.mark.slow  # in -m slow (make test-slow): keeps the default suite under 20 minutes
 def test_one_shot_video_and_frames_as_images_are_answered(server):
     from openai import OpenAI
 

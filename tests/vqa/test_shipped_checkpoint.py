@@ -44,7 +44,9 @@ def _families(config: dict) -> list[Family]:
     return out
 
 
-@pytest.fixture(scope="module", params=sorted(FLOORS))
+#: The Qwen2.5-VL checkpoint's engine check runs with ``-m slow`` (keeps the default suite under 20 minutes).
+@pytest.fixture(scope="module", params=[f if f == "qwen2_vl" else pytest.param(f, marks=pytest.mark.slow)
+                                        for f in sorted(FLOORS)])
 def family(request) -> str:
     return request.param
 
