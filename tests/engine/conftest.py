@@ -115,3 +115,31 @@ def logprob_gap(run: EngineRun, result, index: int = 0) -> float:
     ref_lp = result.logits.log_softmax(-1)
     return max(abs(lp - float(ref_lp[step, token])) for step, top in enumerate(run.logprobs[index])
                for token, lp in top.items())
+
+
+@dataclass
+class SessionRun:
+    """One engine session pushed turn by turn, then closed: the last turn's answer, what the request held before
+    closing (``RequestCompression``), its compression events, and the free blocks before opening and after closing."""
+
+    answer: list[int]
+    held: object
+    events: list
+    free_before: int
+    free_after: int
+
+
+def run_session(llm, turns: list[dict], max_tokens: int = 1) -> SessionRun:
+    """Push ``turns`` (engine prompts) into one :class:`EngineSession` of ``llm``, then close it."""
+    from cords_vllm.integration.inprocess.session import EngineSession
+
+    free = snapshot(llm).free_blocks
+    session = EngineSession(llm, "camera-0")
+    answer: list[int] = []
+    for turn in turns:
+        answer = session.push(turn, max_tokens)
+    state = snapshot(llm)
+    held = state.requests[session.request_id]
+    events = [e for e in state.events if e.req_id == session.request_id]
+    session.close()
+    return SessionRun(answer, held, events, free, snapshot(llm).free_blocks)

@@ -19,9 +19,7 @@ import torch
 from PIL import Image
 
 from cords_vllm.config import kv_policy_args
-from cords_vllm.integration.inprocess.introspect import snapshot
 from cords_vllm.integration.inprocess.llm import make_llm
-from cords_vllm.integration.inprocess.session import EngineSession
 from cords_vllm.lab.synthetic import TinyModelSpec, build_tiny_model
 from tests.engine.conftest import (
     BLOCK,
@@ -30,6 +28,7 @@ from tests.engine.conftest import (
     chunks_for,
     evictions_of,
     run_engine,
+    run_session,
     video,
 )
 from tests.engine.test_exactness import TOL, _compare
@@ -128,21 +127,15 @@ def test_a_live_stream_is_compressed_across_turns_and_equals_the_reference(famil
     _, path, reference = family
     llm = make_llm(path, block_size=BLOCK, max_num_batched_tokens=4096, max_num_scheduled_tokens=256,
                    limit_mm_per_prompt={"image": 0, "video": 8}, **kv_policy_args("cords", budget=192, slack=64))
-    free = snapshot(llm).free_blocks
-    session = EngineSession(llm, "camera-0")
     clips = [video(4, seed=100 + i) for i in range(8)]
     texts = ["<|im_start|>user\n<|vision_start|><|video_pad|><|vision_end|>"]
     texts += ["<|vision_start|><|video_pad|><|vision_end|>"] * 7
-    for text, frames in zip(texts, clips, strict=True):
-        session.push({"prompt": text, "multi_modal_data": {"video": clip(frames)}}, 1)
     question = "What color was the square?<|im_end|>\n<|im_start|>assistant\n"
-    answer = session.push({"prompt": question}, 1)
-    state = snapshot(llm)
-    held = state.requests[session.request_id]
-    events = [e for e in state.events if e.req_id == session.request_id]
-    session.close()
-    assert snapshot(llm).free_blocks == free
-    assert held.evicted_tokens > 0, "the stream was re-based: evicted tokens left its request"
+    turns = [{"prompt": t, "multi_modal_data": {"video": clip(f)}} for t, f in zip(texts, clips, strict=True)]
+    run = run_session(llm, [*turns, {"prompt": question}])
+    answer, events = run.answer, run.events
+    assert run.free_after == run.free_before
+    assert run.held.evicted_tokens > 0, "the stream was re-based: evicted tokens left its request"
     del llm
     gc.collect()
     evictions = evictions_of(events)

@@ -19,7 +19,14 @@ import pytest
 from cords_vllm.lab.reference.exactness import CONTROL_FACTOR
 from cords_vllm.lab.synthetic.tiny_llava import TinyLlavaSpec, build_tiny_llava_next_video
 from cords_vllm.model_facts import FRAMES_FROM_LAYOUT, ModelFacts
-from tests.engine.conftest import assert_exact_with_control, chunks_for, evictions_of, run_engine, video
+from tests.engine.conftest import (
+    assert_exact_with_control,
+    chunks_for,
+    evictions_of,
+    run_engine,
+    run_session,
+    video,
+)
 from tests.engine.test_exactness import TOL, _compare
 
 pytestmark = pytest.mark.engine
@@ -108,26 +115,18 @@ def test_a_session_is_compressed_across_turns_without_re_basing(llava):
     granularity, keeps its row logical (null entries where it evicted), answers as the HF reference over the
     whole session with the same evictions, and returns every block when closed."""
     from cords_vllm.config import kv_policy_args
-    from cords_vllm.integration.inprocess.introspect import snapshot
     from cords_vllm.integration.inprocess.llm import make_llm
-    from cords_vllm.integration.inprocess.session import EngineSession
 
     path, reference = llava
     llm = make_llm(path, block_size=32, max_num_batched_tokens=4096, max_num_scheduled_tokens=256,
                    limit_mm_per_prompt={"video": 1}, **kv_policy_args("cords", budget=192, slack=64))
-    free = snapshot(llm).free_blocks
-    session = EngineSession(llm, "camera-0")
     clips = [video(4, seed=100 + i) for i in range(6)]
     texts = ["USER: <video>\n"] + ["<video>\n"] * 5
-    for text, frames in zip(texts, clips, strict=True):
-        session.push({"prompt": text, "multi_modal_data": {"video": frames}}, 1)
     question = "What color was the square? ASSISTANT:"
-    answer = session.push({"prompt": question}, 1)
-    state = snapshot(llm)
-    held = state.requests[session.request_id]
-    events = [e for e in state.events if e.req_id == session.request_id]
-    session.close()
-    assert snapshot(llm).free_blocks == free
+    turns = [{"prompt": t, "multi_modal_data": {"video": f}} for t, f in zip(texts, clips, strict=True)]
+    run = run_session(llm, [*turns, {"prompt": question}])
+    answer, held, events = run.answer, run.held, run.events
+    assert run.free_after == run.free_before
     del llm
     gc.collect()
     assert held.evicted_tokens > 0 and held.region_blocks > held.held_blocks, "compressed, row kept logical"

@@ -37,12 +37,18 @@ class Family:
     """How to build one architecture.
 
     ``config(spec, text, tokens)`` returns the HF config from the shared text config fields and the special token
-    ids; ``processor(spec, tokenizer, chat_template)`` the HF processor; ``model_class()`` the HF model class.
+    ids; ``processor(spec, tokenizer, chat_template)`` the HF processor; ``model`` names the HF model class.
     """
 
     config: Callable[[Any, dict[str, Any], Mapping[str, int]], Any]
     processor: Callable[[Any, Any, str], Any]
-    model_class: Callable[[], type]
+    model: str
+
+    def model_class(self) -> type:
+        """The HF model class (imported on use)."""
+        import transformers
+
+        return getattr(transformers, self.model)
 
 
 def _qwen2_pixels(spec: Any) -> dict[str, int]:
@@ -62,19 +68,20 @@ def _qwen2_vl_config(spec: Any, text: dict[str, Any], tokens: Mapping[str, int])
         tie_word_embeddings=False, **tokens)
 
 
-def _qwen2_vl_processor(spec: Any, tokenizer: Any, chat_template: str) -> Any:
-    from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor
-    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+def _qwen2_processor(name: str) -> Callable[[Any, Any, str], Any]:
+    """The builder of a Qwen2-VL-style processor (``Qwen2VLProcessor``, ``Qwen2_5_VLProcessor``): Qwen2-VL's image
+    and video processors at 14-pixel patches."""
 
-    pixels = _qwen2_pixels(spec)
-    return Qwen2VLProcessor(image_processor=Qwen2VLImageProcessor(**pixels), tokenizer=tokenizer,
-                            video_processor=Qwen2VLVideoProcessor(**pixels), chat_template=chat_template)
+    def build(spec: Any, tokenizer: Any, chat_template: str) -> Any:
+        import transformers
+        from transformers import Qwen2VLImageProcessor
+        from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
 
-
-def _qwen2_vl_model() -> type:
-    from transformers import Qwen2VLForConditionalGeneration
-
-    return Qwen2VLForConditionalGeneration
+        pixels = _qwen2_pixels(spec)
+        return getattr(transformers, name)(image_processor=Qwen2VLImageProcessor(**pixels), tokenizer=tokenizer,
+                                           video_processor=Qwen2VLVideoProcessor(**pixels),
+                                           chat_template=chat_template)
+    return build
 
 
 def _qwen2_5_vl_config(spec: Any, text: dict[str, Any], tokens: Mapping[str, int]) -> Any:
@@ -93,19 +100,12 @@ def _qwen2_5_vl_config(spec: Any, text: dict[str, Any], tokens: Mapping[str, int
         tie_word_embeddings=False, **tokens)
 
 
-def _qwen2_5_vl_processor(spec: Any, tokenizer: Any, chat_template: str) -> Any:
-    from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor
-    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
-
-    pixels = _qwen2_pixels(spec)
-    return Qwen2_5_VLProcessor(image_processor=Qwen2VLImageProcessor(**pixels), tokenizer=tokenizer,
-                               video_processor=Qwen2VLVideoProcessor(**pixels), chat_template=chat_template)
-
-
-def _qwen2_5_vl_model() -> type:
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
-    return Qwen2_5_VLForConditionalGeneration
+def _qwen3_vision(spec: Any) -> dict[str, Any]:
+    """The vision tower of the Qwen3 families (Qwen3-VL, Qwen3.5): 16-pixel patches, learnt position embeddings."""
+    return {"depth": spec.vision_depth, "hidden_size": spec.vision_embed_dim,
+            "intermediate_size": 2 * spec.vision_embed_dim, "num_heads": spec.vision_heads, "in_channels": 3,
+            "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+            "out_hidden_size": spec.hidden_size, "num_position_embeddings": 2304, "hidden_act": "gelu_pytorch_tanh"}
 
 
 def _qwen3_vl_config(spec: Any, text: dict[str, Any], tokens: Mapping[str, int]) -> Any:
@@ -116,11 +116,7 @@ def _qwen3_vl_config(spec: Any, text: dict[str, Any], tokens: Mapping[str, int])
     # Deepstack: every vision block's merged features are added to the first decoder layers' hidden states.
     return Qwen3VLConfig(
         text_config={**text, "head_dim": spec.head_dim, "rope_parameters": rope},
-        vision_config={"depth": spec.vision_depth, "hidden_size": spec.vision_embed_dim,
-                       "intermediate_size": 2 * spec.vision_embed_dim, "num_heads": spec.vision_heads,
-                       "in_channels": 3, "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
-                       "out_hidden_size": spec.hidden_size, "num_position_embeddings": 2304,
-                       "hidden_act": "gelu_pytorch_tanh",
+        vision_config={**_qwen3_vision(spec),
                        "deepstack_visual_indexes": list(range(min(spec.vision_depth, spec.num_layers)))},
         tie_word_embeddings=False, **tokens)
 
@@ -142,12 +138,6 @@ def _qwen3_vl_processor(spec: Any, tokenizer: Any, chat_template: str) -> Any:
         chat_template=chat_template)
 
 
-def _qwen3_vl_model() -> type:
-    from transformers import Qwen3VLForConditionalGeneration
-
-    return Qwen3VLForConditionalGeneration
-
-
 def _qwen3_5_config(spec: Any, text: dict[str, Any], tokens: Mapping[str, int]) -> Any:
     from transformers import Qwen3_5Config
 
@@ -158,28 +148,19 @@ def _qwen3_5_config(spec: Any, text: dict[str, Any], tokens: Mapping[str, int]) 
     rotary = spec.head_dim // 4
     rope = {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
             "mrope_section": interleaved_mrope_section(rotary), "mrope_interleaved": True}
-    vision = {"depth": spec.vision_depth, "hidden_size": spec.vision_embed_dim,
-              "intermediate_size": 2 * spec.vision_embed_dim, "num_heads": spec.vision_heads, "in_channels": 3,
-              "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
-              "out_hidden_size": spec.hidden_size, "num_position_embeddings": 2304, "hidden_act": "gelu_pytorch_tanh"}
     return Qwen3_5Config(
         text_config={**text, "head_dim": spec.head_dim, "rope_parameters": rope, "layer_types": layers,
                      "linear_conv_kernel_dim": 4, "linear_key_head_dim": spec.head_dim,
                      "linear_value_head_dim": spec.head_dim, "linear_num_key_heads": spec.num_kv_heads,
                      "linear_num_value_heads": spec.num_heads},
-        vision_config=vision, tie_word_embeddings=False, **tokens)
-
-
-def _qwen3_5_model() -> type:
-    from transformers import Qwen3_5ForConditionalGeneration
-
-    return Qwen3_5ForConditionalGeneration
+        vision_config=_qwen3_vision(spec), tie_word_embeddings=False, **tokens)
 
 
 #: Family name (the HF ``model_type``) -> how to build it.
 FAMILIES: dict[str, Family] = {
-    "qwen2_vl": Family(_qwen2_vl_config, _qwen2_vl_processor, _qwen2_vl_model),
-    "qwen2_5_vl": Family(_qwen2_5_vl_config, _qwen2_5_vl_processor, _qwen2_5_vl_model),
-    "qwen3_vl": Family(_qwen3_vl_config, _qwen3_vl_processor, _qwen3_vl_model),
-    "qwen3_5": Family(_qwen3_5_config, _qwen3_vl_processor, _qwen3_5_model),
+    "qwen2_vl": Family(_qwen2_vl_config, _qwen2_processor("Qwen2VLProcessor"), "Qwen2VLForConditionalGeneration"),
+    "qwen2_5_vl": Family(_qwen2_5_vl_config, _qwen2_processor("Qwen2_5_VLProcessor"),
+                         "Qwen2_5_VLForConditionalGeneration"),
+    "qwen3_vl": Family(_qwen3_vl_config, _qwen3_vl_processor, "Qwen3VLForConditionalGeneration"),
+    "qwen3_5": Family(_qwen3_5_config, _qwen3_vl_processor, "Qwen3_5ForConditionalGeneration"),
 }
