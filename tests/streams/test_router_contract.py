@@ -1,12 +1,12 @@
 """vLLM's router (``vllm-router``) in front of two stand-in stream servers, and the client behind it.
 
 The stand-ins speak the stream API's routes and errors (open, push, ask, get, close; 404 for a stream they do
-not hold, 429 when full) without an engine, so these checks run in seconds in the default suite; the real
-servers behind the router are tested in ``tests/engine/test_server_router.py``. What is checked here is what the
+not hold, 429 when full) without an engine, so these checks run in seconds in the default suite; real servers
+behind the router: ``tests/streams/test_router_servers.py``. What is checked here is what the
 scale-out path relies on: the router forwards the stream routes (no OpenAI route among them) keyed on the
 client's ``X-Session-ID``, passes 429s and server-sent events through, refuses non-JSON bodies, sends its own
 ``--api-key`` to the workers; the client keeps every request of a stream on the server that holds it, retries an
-open a full server refused, and releases its router sessions.
+open a full server refused, releases its router sessions, and spreads one-shot requests.
 """
 
 from __future__ import annotations
