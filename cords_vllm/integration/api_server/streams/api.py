@@ -43,6 +43,7 @@ from cords_vllm.integration.api_server.streams.frames import (
 )
 from cords_vllm.integration.api_server.streams.live import LiveStream, StreamEnded, TurnTooLong
 from cords_vllm.integration.api_server.streams.registry import StreamNotFound, StreamRegistry, TooManyStreams
+from cords_vllm.integration.api_server.streams.siblings import FORWARDED_HEADER, LINK_KEY, SiblingLink
 from cords_vllm.integration.published import HeldKV, read_published
 
 STATE_KEY = "cords_vllm_streams"
@@ -120,11 +121,16 @@ class StreamObject(BaseModel):
 
 
 class Capacity(BaseModel):
-    pool_blocks: int | None = Field(description="usable blocks of the KV pool")
+    pool_blocks: int | None = Field(description="usable blocks of the KV pools (every data-parallel engine's)")
     committed_blocks: int = Field(description="the most blocks the open streams may hold together")
     stream_footprint_blocks: int = Field(description="the most blocks a stream with the server's policy may hold")
     max_streams: int = Field(description="streams of that footprint this server admits at once")
     open_streams: int
+    available_streams: int = Field(description="streams of that footprint this server admits now (a router "
+                                               "places new streams where this is positive)")
+    engines: int = Field(1, description="data-parallel engines, each with its own pool; a stream lives in one")
+    engine_pool_blocks: int | None = Field(None, description="usable blocks of one engine's pool")
+    engine_committed_blocks: list[int] = Field(default_factory=list, description="committed blocks per engine")
 
 
 class StreamList(BaseModel):
@@ -240,8 +246,11 @@ async def open_stream(request: Request, body: OpenStreamRequest | None = None) -
 async def list_streams(request: Request) -> Any:
     registry = _registry(request)
     held = read_published().streams
-    return StreamList(data=[describe(registry, s, held) for s in list(registry.streams.values())],
-                      capacity=Capacity(**registry.capacity()))
+    data: list[Any] = [describe(registry, s, held) for s in list(registry.streams.values())]
+    link: SiblingLink | None = getattr(request.app.state, LINK_KEY, None)
+    if link is not None and FORWARDED_HEADER not in request.headers:  # every API server's streams
+        data.extend(StreamObject.model_validate(item) for item in await link.gather(list(request.headers.items())))
+    return StreamList(data=data, capacity=Capacity(**registry.capacity()))
 
 
 @router.get("/{stream_id}", response_model=StreamObject, responses=_ERRORS, summary="One stream")

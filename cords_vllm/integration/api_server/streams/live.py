@@ -134,14 +134,18 @@ class LiveStream:
         turn longer than that on its own is refused (:class:`TurnTooLong`) before the engine sees it, which would
         otherwise end the stream.
         ``None``: no check.
+    engine_index:
+        The data-parallel engine holding the stream's KV (every turn is sent there); ``None``: the only one.
     """
 
     def __init__(self, engine: Any, stream_id: str | None = None, *, extra_args: dict[str, Any] | None = None,
                  metadata: dict[str, Any] | None = None, text: TextBudget | None = None,
                  count_text: Callable[[str], int] | None = None,
                  turn_tokens: Callable[[str, np.ndarray | None], tuple[int, int]] | None = None,
-                 max_model_len: int | None = None, fps: float | None = None) -> None:
+                 max_model_len: int | None = None, fps: float | None = None,
+                 engine_index: int | None = None) -> None:
         self.engine = engine
+        self.engine_index = engine_index
         self.fps = float(fps or DEFAULT_FPS)
         self.id = stream_id or f"stream-{uuid.uuid4().hex[:16]}"
         self.extra_args = extra_args or None
@@ -180,7 +184,8 @@ class LiveStream:
             yield item
 
     def _start(self) -> None:
-        generator = self.engine.generate(self._input_stream(), self.params(1), self.id)
+        placed = {} if self.engine_index is None else {"data_parallel_rank": self.engine_index}
+        generator = self.engine.generate(self._input_stream(), self.params(1), self.id, **placed)
         self._pump = asyncio.create_task(self._read(generator), name=f"cords-vllm {self.id}")
 
     async def _read(self, generator: Any) -> None:

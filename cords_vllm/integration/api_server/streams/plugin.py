@@ -19,8 +19,11 @@ from typing import Any
 from cords_vllm.config import KVPolicyConfig
 from cords_vllm.conversation.text_budget import protected_token_counter
 from cords_vllm.integration.api_server.streams.api import STATE_KEY, APIError, router
+from cords_vllm.integration.api_server.streams.ledger import PoolLedger
 from cords_vllm.integration.api_server.streams.registry import StreamLimits, StreamRegistry
+from cords_vllm.integration.api_server.streams.siblings import LINK_KEY, SiblingLink, StreamForwarding
 from cords_vllm.integration.engine_facts import model_facts_of
+from cords_vllm.integration.published import metrics_dir
 from cords_vllm.model_facts import ModelFacts
 
 logger = logging.getLogger(__name__)
@@ -56,6 +59,8 @@ class StreamsPlugin:
     def attach_router(self, app: Any) -> None:
         app.include_router(router)
         app.add_exception_handler(APIError, lambda _request, exc: exc.response())
+        app.add_middleware(StreamForwarding)  # a no-op until init_state links several API servers
+        app.state.cords_vllm_app = app  # init_state gets only the state; the sibling socket serves the app
 
     async def init_state(self, engine_client: Any, state: Any, args: argparse.Namespace) -> None:
         if engine_client is None:  # the render-only server has no engine: the routes answer 503
@@ -66,22 +71,49 @@ class StreamsPlugin:
         num_blocks = vllm_config.cache_config.num_gpu_blocks
         policy = KVPolicyConfig.from_vllm_config(vllm_config)
         encode, facts = _encoder(engine_client), model_facts_of(vllm_config)
-        registry = StreamRegistry(engine_client, limits_from_args(args), policy=policy, model_name=model,
-                                  block_size=vllm_config.cache_config.block_size,
-                                  pool_blocks=num_blocks - 1 if num_blocks else None,  # block 0 is the null block
+        limits = limits_from_args(args)
+        pool_blocks = num_blocks - 1 if num_blocks else None  # block 0 is the null block
+        index, count, engines = api_server_place(engine_client)
+        ledger = PoolLedger(engines=engines, pool_blocks=pool_blocks, max_streams=limits.max_streams,
+                            directory=metrics_dir(), index=index, count=count)
+        registry = StreamRegistry(engine_client, limits, policy=policy, model_name=model,
+                                  block_size=vllm_config.cache_config.block_size, pool_blocks=pool_blocks,
                                   max_model_len=vllm_config.model_config.max_model_len,
                                   count_text=_text_counter(encode, facts),
-                                  turn_tokens=_turn_counter(encode, facts, vllm_config))
+                                  turn_tokens=_turn_counter(encode, facts, vllm_config), ledger=ledger)
         registry.unsupported = facts.streams_unsupported
         setattr(state, STATE_KEY, registry)
+        if count > 1:
+            link = SiblingLink(index, count, metrics_dir())
+            await link.start(_app_of(state))
+            setattr(state, LINK_KEY, link)
         if registry.unsupported is not None:
             logger.warning("cords-vllm: stream API on /v1/streams refuses new streams: %s", registry.unsupported)
             return
         capacity = registry.capacity()
         logger.info("cords-vllm: stream API on /v1/streams: idle timeout %g s; a stream holds at most %d KV "
-                    "blocks, so %d streams fit the pool of %s blocks (--kv-stream-max-open %d)",
+                    "blocks, so %d streams fit the pool of %s blocks on %d engine(s) (--kv-stream-max-open %d)%s",
                     registry.limits.idle_timeout_s, capacity["stream_footprint_blocks"], capacity["max_streams"],
-                    capacity["pool_blocks"], registry.limits.max_streams)
+                    capacity["engine_pool_blocks"], engines, registry.limits.max_streams,
+                    f"; admission shared by {count} API servers" if count > 1 else "")
+
+
+def api_server_place(engine_client: Any) -> tuple[int, int, int]:
+    """``(index, count, engines)``: this API server's index among the server's API servers, their number, and
+    the data-parallel engines its client places requests on (vLLM's ``AsyncLLM`` client attributes)."""
+    core = getattr(engine_client, "engine_core", None)
+    index = int(getattr(core, "client_index", 0) or 0)
+    count = int(getattr(engine_client, "_client_count", None) or getattr(core, "client_count", 1) or 1)
+    engines = len(getattr(core, "core_engines", None) or [None])
+    return index, max(count, 1), max(engines, 1)
+
+
+def _app_of(state: Any) -> Any:
+    """The FastAPI app whose ``state`` this is (Starlette's ``State`` keeps no back-reference)."""
+    app = getattr(state, "cords_vllm_app", None)
+    if app is None:
+        raise RuntimeError("the stream API's app was not recorded at attach time")
+    return app
 
 
 def _encoder(engine_client: Any) -> Callable[[str], list[int]] | None:

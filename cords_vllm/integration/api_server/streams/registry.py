@@ -1,9 +1,10 @@
 """The open streams of one API server: the cap on how many, idle expiry, and lookups.
 
-Streams live in the API-server process that opened them (with ``--api-server-count N`` each server has its
-own streams; a client keeps talking to the server that opened its stream, e.g. through a sticky load
-balancer). An ended stream (closed by the engine, e.g. at ``--max-model-len``) stays listed, with the reason,
-until it is deleted or expires, so a client learns why it ended.
+Streams live in the API-server process that opened them. With several API servers (``--api-server-count N``,
+vLLM's default under data parallelism) a stream's id names its owner (:func:`stream_id`), and a request that
+reaches another API server is forwarded to the owner (:mod:`.siblings`); admission counts every API server's
+streams on every engine's pool (:mod:`.ledger`). An ended stream (closed by the engine, e.g. at its position
+range) stays listed, with the reason, until it is deleted or expires, so a client learns why it ended.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
+import uuid
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,6 +21,7 @@ from typing import Any
 
 from cords_vllm.config import REQUEST_OVERRIDES_KEY, KVPolicyConfig, KVPolicyConfigError
 from cords_vllm.conversation.text_budget import TextBudget
+from cords_vllm.integration.api_server.streams.ledger import PoolLedger, TooManyStreams  # noqa: F401 (re-exported)
 from cords_vllm.integration.api_server.streams.live import LiveStream
 from cords_vllm.utils import cdiv
 
@@ -25,6 +29,20 @@ logger = logging.getLogger(__name__)
 
 #: Removed streams whose fate is remembered for late clients.
 GONE_REMEMBERED = 4096
+
+
+_OWNED_ID = re.compile(r"^stream-(\d+)-[0-9a-f]{16}$")
+
+
+def stream_id(owner: int) -> str:
+    """A new stream id naming the API server (``owner``, its index) that holds the stream."""
+    return f"stream-{owner}-{uuid.uuid4().hex[:16]}"
+
+
+def owner_of(stream_id: str) -> int | None:
+    """The index of the API server holding ``stream_id`` (``None``: not an id this server hands out)."""
+    match = _OWNED_ID.match(stream_id)
+    return int(match.group(1)) if match else None
 
 
 @dataclass(frozen=True)
@@ -57,9 +75,6 @@ class StreamNotFound(KeyError):
         return f"stream {self.stream_id!r} does not exist on this server"
 
 
-class TooManyStreams(RuntimeError):
-    """The server's cap on open streams is reached, or the KV pool is committed to the open streams."""
-
 
 class StreamRegistry:
     """Open streams by id, with the cap and a background expiry task.
@@ -72,7 +87,9 @@ class StreamRegistry:
     rule's), under ``none`` a ``--max-model-len`` request. A stream that would take the open streams' total
     past the pool is refused (429), instead of being admitted and stalling every stream once the pool is full
     (vLLM does not preempt sessions that wait for their next input). So the pool is never over-committed and
-    a router can place streams by :meth:`capacity`.
+    a router can place streams by :meth:`capacity`. With data parallelism each engine has its own pool: a stream
+    goes to the engine with most room (its requests carry that ``data_parallel_rank``); with several API
+    servers ``ledger`` is shared by all of them.
 
     **Text.** Under a policy that evicts video, ``count_text`` (``text -> protected tokens`` of a turn's
     prompt, see :func:`~cords_vllm.conversation.text_budget.protected_token_counter`) lets each stream refuse a
@@ -83,7 +100,8 @@ class StreamRegistry:
     def __init__(self, engine: Any, limits: StreamLimits, *, policy: KVPolicyConfig | None = None,
                  model_name: str = "", block_size: int = 16, pool_blocks: int | None = None,
                  max_model_len: int = 1 << 30, count_text: Callable[[str], int] | None = None,
-                 turn_tokens: Callable[[str, Any], tuple[int, int]] | None = None) -> None:
+                 turn_tokens: Callable[[str, Any], tuple[int, int]] | None = None,
+                 ledger: PoolLedger | None = None) -> None:
         self.engine = engine
         self.limits = limits
         #: Why this server's model cannot stream (``POST /v1/streams`` answers 501 with it); ``None``: it can.
@@ -97,6 +115,8 @@ class StreamRegistry:
         #: ``(prompt text, clip or None) -> (tokens, video tokens)`` of a turn as the engine counts them (``None``:
         #: unknown).
         self.turn_tokens = turn_tokens
+        #: Commitments of every API server's streams on every engine's pool (a private one: this server alone).
+        self.ledger = ledger or PoolLedger(pool_blocks=pool_blocks, max_streams=limits.max_streams)
         self.streams: dict[str, LiveStream] = {}
         self.expired = 0
         #: Why recently removed streams went (bounded), so a late client is told "expired", not "unknown".
@@ -116,35 +136,48 @@ class StreamRegistry:
             return None
         return self.policy.narrowed(overrides).text_limit(self.max_model_len)
 
+    def _sync_ledger(self) -> None:
+        """Ended and closed streams leave the ledger (their blocks are back, or soon will be)."""
+        self.ledger.sync(sid for sid, s in self.streams.items() if not s.ended)
+
     def committed_blocks(self) -> int:
-        """Blocks the open streams may hold at most, together."""
-        return sum(s.footprint_blocks for s in self.streams.values() if not s.ended)
+        """Blocks the open streams (of every API server) may hold at most, together."""
+        self._sync_ledger()
+        return sum(self.ledger.committed_per_engine())
 
     def capacity(self) -> dict[str, Any]:
-        """What a router needs to place streams here: pool, committed blocks, a default stream's footprint."""
+        """What a router needs to place streams here: pool, committed blocks, a default stream's footprint, and
+        ``available_streams``, how many more default streams this server admits now."""
+        self._sync_ledger()
         footprint = self.footprint_blocks()
-        by_pool = self.pool_blocks // footprint if self.pool_blocks else self.limits.max_streams
-        return {"pool_blocks": self.pool_blocks, "committed_blocks": self.committed_blocks(),
-                "stream_footprint_blocks": footprint, "max_streams": min(self.limits.max_streams, by_pool),
-                "open_streams": len(self.streams)}
+        commitments = self.ledger.commitments()
+        committed = self.ledger.committed_per_engine(commitments)
+        engines = self.ledger.engines
+        ended_here = sum(1 for s in self.streams.values() if s.ended)
+        open_streams = len(commitments) + ended_here
+        cap = self.limits.max_streams
+        if self.pool_blocks:
+            by_pool = engines * (self.pool_blocks // footprint)
+            room = sum(max(0, self.pool_blocks - c) // footprint for c in committed)
+        else:
+            by_pool = room = cap
+        return {"pool_blocks": None if self.pool_blocks is None else engines * self.pool_blocks,
+                "committed_blocks": sum(committed), "stream_footprint_blocks": footprint,
+                "max_streams": min(cap, by_pool), "open_streams": open_streams,
+                "available_streams": max(0, min(cap - open_streams, room)), "engines": engines,
+                "engine_pool_blocks": self.pool_blocks, "engine_committed_blocks": committed}
 
     def open(self, *, overrides: dict[str, Any] | None = None, **kwargs: Any) -> LiveStream:
-        """A new stream (raises :class:`TooManyStreams` at the cap or when the pool is committed)."""
-        if len(self.streams) >= self.limits.max_streams:
-            raise TooManyStreams(f"{len(self.streams)} streams are open, the most this server allows "
-                                 f"(--kv-stream-max-open {self.limits.max_streams}); close one or wait for one to "
-                                 f"expire")
+        """A new stream (raises :class:`TooManyStreams` at the cap or when no engine's pool has room)."""
+        self._sync_ledger()
         footprint = self.footprint_blocks(overrides)
-        committed = self.committed_blocks()
-        if self.pool_blocks is not None and committed + footprint > self.pool_blocks:
-            raise TooManyStreams(
-                f"the KV pool ({self.pool_blocks} blocks) is committed to {len(self.streams)} open streams "
-                f"({committed} blocks at most); a new stream may hold up to {footprint} blocks. Close a stream, "
-                f"wait for one to expire, or open one with a smaller kv_policy budget")
+        sid = stream_id(self.ledger.index)
+        engine = self.ledger.admit(sid, footprint, local_open=sum(1 for s in self.streams.values() if s.ended))
         limit = self.text_limit(overrides)
-        stream = LiveStream(self.engine, extra_args={REQUEST_OVERRIDES_KEY: overrides} if overrides else None,
+        stream = LiveStream(self.engine, sid, extra_args={REQUEST_OVERRIDES_KEY: overrides} if overrides else None,
                             text=TextBudget(limit), count_text=self.count_text if limit is not None else None,
-                            turn_tokens=self.turn_tokens, max_model_len=self.max_model_len, **kwargs)
+                            turn_tokens=self.turn_tokens, max_model_len=self.max_model_len,
+                            engine_index=engine if self.ledger.engines > 1 else None, **kwargs)
         stream.footprint_blocks = footprint
         self.streams[stream.id] = stream
         self._ensure_reaper()
@@ -182,6 +215,7 @@ class StreamRegistry:
         self.gone[stream_id] = stream.ended or reason
         while len(self.gone) > GONE_REMEMBERED:
             self.gone.popitem(last=False)
+        self.ledger.release(stream_id)
         await stream.close(reason)
         return stream
 
@@ -210,6 +244,7 @@ class StreamRegistry:
             await asyncio.sleep(period)
             try:
                 await self.expire_idle()
+                self._sync_ledger()
             except Exception:  # never let expiry die silently: log and keep reaping
                 logger.exception("cords-vllm: stream expiry failed")
 
