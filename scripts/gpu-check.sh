@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One check a GPU user runs (docs/how-it-works.md#checking-on-a-gpu): python -m cords_vllm.lab.gpu_check.
 #
-#   bash scripts/gpu-check.sh                  # GPU machine: install .[cuda,dev] into .venv-cuda, then every step
+#   bash scripts/gpu-check.sh                  # GPU machine: install .[cuda,dev,ray] into .venv-cuda, then every step
 #   bash scripts/gpu-check.sh --skip-install   # the same, reusing .venv-cuda (or $PYTHON's environment) as it is
 #   bash scripts/gpu-check.sh --cpu            # the same steps on vLLM's CPU build in .venv (no install, no CUDA tests)
 #

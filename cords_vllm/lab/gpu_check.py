@@ -2,13 +2,15 @@
 
 ``bash scripts/gpu-check.sh`` (which runs ``python -m cords_vllm.lab.gpu_check``) on a CUDA machine:
 
-1. **install** ``.[cuda,dev]`` into its own virtualenv (``--venv``, default ``.venv-cuda``; ``--skip-install``
+1. **install** ``.[cuda,dev,ray]`` into its own virtualenv (``--venv``, default ``.venv-cuda``; ``--skip-install``
    uses it, or the running Python, as it is), then continues under that environment's Python;
 2. **CUDA device**: the one vLLM will use;
 3. **tiny model**: the tests' tiny Qwen2-VL (:func:`~cords_vllm.lab.synthetic.build_tiny_qwen2vl`), bf16;
 4. ``vllm serve <tiny> --kv-policy cords`` at vLLM's default CUDA settings (no ``--enforce-eager``: the
    attention backend vLLM picks for bf16, async scheduling, the piecewise graphs the policy asks for), and
-   the same server with ``--kv-cache-dtype fp8``; ``--kv-policy none`` once more for the comparison. Each
+   the same server with ``--kv-cache-dtype fp8``, the same with ``--distributed-executor-backend ray`` (the
+   plugin must load in Ray workers through its entry point: the worker-side compressions prove it), and
+   ``--kv-policy none`` once more for the comparison. Each
    gets the same concurrent OpenAI chat completions with synthetic videos (some shorter than the budget,
    some longer, so compressed) and one live stream through ``/v1/streams``, then ``/metrics`` is read
    (``cords_vllm_compressions_total > 0`` under ``cords``) and every KV block must come back
@@ -23,7 +25,8 @@ log under ``--out``, and exits 1 when any step failed. A failed step never stops
 
 ``--cpu`` runs the same steps on vLLM's CPU build in the project's ``.venv``: ``--enforce-eager``, 32-token
 blocks and a 64 MiB pool; fp8 KV needs a bf16 model and AVX-512 there. The install and the CUDA tests are
-skipped, and the servers start ``--jobs`` at a time (3 by default: their start-up is mostly imports).
+skipped, so is Ray (vLLM's CPU platform refuses it), and the servers start ``--jobs`` at a time (3 by default:
+their start-up is mostly imports).
 """
 
 from __future__ import annotations
@@ -138,13 +141,26 @@ class ServerSpec:
 
 
 def server_specs(cpu: bool) -> list[ServerSpec]:
-    """The servers: ``cords`` (bf16), ``none`` (bf16, the comparison), ``cords`` with fp8 KV."""
+    """The servers: ``cords`` (bf16), ``none`` (bf16, the comparison), ``cords`` with fp8 KV, ``cords`` on Ray."""
     base = tuple(CPU_FLAGS) if cpu else ()
     fp8_missing = None
     if cpu and not cpu_has_avx512():
         fp8_missing = "fp8 KV on vLLM's CPU build needs AVX-512, which this CPU lacks"
     return [ServerSpec("cords bf16", "cords", base), ServerSpec("none bf16", "none", base),
-            ServerSpec("cords bf16 + fp8 KV", "cords", (*base, "--kv-cache-dtype", "fp8"), fp8_missing)]
+            ServerSpec("cords bf16 + fp8 KV", "cords", (*base, "--kv-cache-dtype", "fp8"), fp8_missing),
+            ServerSpec("cords bf16 + Ray", "cords", (*base, "--distributed-executor-backend", "ray"),
+                       ray_missing(cpu))]
+
+
+def ray_missing(cpu: bool) -> str | None:
+    """Why the Ray server cannot run here, or ``None``."""
+    if cpu:
+        return "vLLM's CPU platform refuses Ray ('current platform cpu does not support ray'); GPU only"
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        return "ray is not installed in this environment (pip install '.[ray]')"
+    return None
 
 
 def cpu_has_avx512() -> bool:
@@ -456,7 +472,7 @@ def cuda_device_row() -> Row:
 # ---------------------------------------------------------------------------------------------------------
 # Install (GPU mode): into its own venv, then continue under its Python
 def install_row(venv: Path) -> Row:
-    """Create ``venv`` (once) and install the project with ``.[cuda,dev]`` into it (the pattern of
+    """Create ``venv`` (once) and install the project with ``.[cuda,dev,ray]`` into it (the pattern of
     ``scripts/setup-env.sh``, without the CPU wheels' fixes, which a CUDA install does not need)."""
 
     def install() -> str:
@@ -470,7 +486,7 @@ def install_row(venv: Path) -> Row:
         log = venv / "pip-install.log"
         with log.open("w") as f:
             proc = subprocess.run([str(python), "-m", "pip", "install", "--disable-pip-version-check", "-e",
-                                   ".[cuda,dev]"], cwd=REPO, stdout=f, stderr=subprocess.STDOUT, check=False)
+                                   ".[cuda,dev,ray]"], cwd=REPO, stdout=f, stderr=subprocess.STDOUT, check=False)
         if proc.returncode != 0:
             tail = [line for line in log.read_text().splitlines() if line.strip()][-3:]
             raise Fail(f"pip install failed (full log: {log}): {' | '.join(tail)}")
@@ -482,7 +498,7 @@ def install_row(venv: Path) -> Row:
         vllm_version, torch_version = probe.stdout.split()
         return f"{venv}: vLLM {vllm_version}, torch {torch_version}"
 
-    return timed("install .[cuda,dev]", install)
+    return timed("install .[cuda,dev,ray]", install)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -506,11 +522,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     rows: list[Row] = []
     if args.cpu:
-        rows.append(Row("install .[cuda,dev]", SKIP, 0.0, "--cpu uses the project's .venv (make setup)"))
+        rows.append(Row("install .[cuda,dev,ray]", SKIP, 0.0, "--cpu uses the project's .venv (make setup)"))
     elif args.install_row:
         rows.append(Row(**json.loads(args.install_row)))
     elif args.skip_install:
-        rows.append(Row("install .[cuda,dev]", SKIP, 0.0, "--skip-install"))
+        rows.append(Row("install .[cuda,dev,ray]", SKIP, 0.0, "--skip-install"))
         python = args.venv / "bin" / "python"
         if python.is_file() and Path(sys.prefix).resolve() != args.venv.resolve():
             os.execv(str(python), [str(python), "-m", "cords_vllm.lab.gpu_check", *(argv or sys.argv[1:])])

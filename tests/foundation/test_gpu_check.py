@@ -16,11 +16,13 @@ from cords_vllm.lab.gpu_check import FAIL, PASS, SKIP, Fail, Row, Skip, first_er
 REPO = Path(__file__).resolve().parents[2]
 
 #: Rows skipped on CPU by design; every other row must pass.
-CPU_SKIPS = {"install .[cuda,dev]", "CUDA-gated tests (pytest)"}
+CPU_SKIPS = {"install .[cuda,dev,ray]", "CUDA-gated tests (pytest)",
+             *(f"cords bf16 + Ray: {part}" for part in ("serve", "video chats", "live stream",
+                                                         "/metrics compressions", "KV blocks returned"))}
 #: Rows the check must have (a step silently dropped would pass otherwise).
 REQUIRED = [
     "tiny model (bf16)",
-    *(f"{server}: {part}" for server in ("cords bf16", "none bf16", "cords bf16 + fp8 KV")
+    *(f"{server}: {part}" for server in ("cords bf16", "none bf16", "cords bf16 + fp8 KV", "cords bf16 + Ray")
       for part in ("serve", "video chats", "live stream", "/metrics compressions", "KV blocks returned")),
     "answers: cords bf16 = none bf16 (videos under the budget)",
     "HF exactness (fp32, compressed engine = HF reference)",
