@@ -19,7 +19,7 @@ from cords_vllm.integration.patching import install as install_entries
 from cords_vllm.integration.plans import PLANS_FIELD
 from cords_vllm.integration.startup import cli_args
 from cords_vllm.integration.worker import hooks as worker
-from cords_vllm.integration.worker import video_pruning
+from cords_vllm.integration.worker import pipeline_parallel, video_pruning
 
 _SCHEDULER = "vllm.v1.core.sched.scheduler:Scheduler"
 _ENGINE_ARGS = "vllm.engine.arg_utils:EngineArgs"
@@ -129,6 +129,15 @@ WORKER: tuple[Entry, ...] = (
           why="EVS finds a video's start as the next <|vision_start|>, and transformers >= 5.10 leaves a prompt's "
               "outer <|vision_start|> before Qwen3-VL's first frame, so the video's positions are laid out from the "
               "wrong token and the prefill fails (every device): hide markers that open no media from that search"),
+    # Pipeline parallelism on the CPU build, with or without a policy
+    Patch("vllm.v1.worker.cpu_worker:CPUWorker.compile_or_warm_up_model", ("self",),
+          pipeline_parallel.make_compile_or_warm_up_model,
+          why="a later pipeline stage copies the hidden states it receives into a buffer only the warm-up dummy run "
+              "allocates, and the CPU worker skips that run in eager mode, so its first step fails an assertion: "
+              "allocate the buffer as the dummy run would (CPU platform only, later stages only, when missing)"),
+    Drains("vllm.v1.worker.gpu_model_runner:GPUModelRunner.sync_and_gather_intermediate_tensors",
+           "intermediate_tensors",
+           why="the CPU fix above allocates the buffer this method copies a later stage's input into"),
 )
 
 #: API servers: the stream API's endpoint plugin and the engine calls a stream makes.

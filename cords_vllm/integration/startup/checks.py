@@ -17,12 +17,14 @@ request (the groups exist only once the engine core has laid out its KV cache, a
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from cords_vllm.compress.kv_codec import UnsupportedKVCacheDtype, check_kv_cache_dtype
+from cords_vllm.compress.pipeline import pipeline_anchors
 from cords_vllm.config import KVPolicyConfig, KVPolicyConfigError
-from cords_vllm.integration.engine_facts import model_facts_of
+from cords_vllm.integration.engine_facts import attention_stages_of, model_facts_of
 from cords_vllm.selection import selector_class
 
 
@@ -45,13 +47,16 @@ class EngineFacts:
     kv_cache_dtype: str = "auto"
     #: Other settings whose code paths the plugin does not hook: ``(flag, why)`` each.
     unhooked: tuple[tuple[str, str], ...] = ()
+    #: Each pipeline stage's attention layers (one range without pipeline parallelism; empty: not known).
+    stages: tuple[range, ...] = ()
 
     @classmethod
     def from_vllm_config(cls, vllm_config: Any) -> EngineFacts:
         mc = vllm_config.model_config
+        stages = tuple(attention_stages_of(vllm_config))
         return cls(
             model=str(mc.model),
-            num_layers=attention_layers(mc, vllm_config.parallel_config),
+            num_layers=stages[-1].stop,
             max_model_len=mc.max_model_len,
             uses_mrope=model_facts_of(vllm_config).finds_frames,
             sliding_window=mc.get_sliding_window(),
@@ -61,17 +66,20 @@ class EngineFacts:
             runner_v2=runner_v2_reason(vllm_config),
             kv_cache_dtype=str(getattr(vllm_config.cache_config, "cache_dtype", "auto") or "auto"),
             unhooked=unhooked_settings(vllm_config),
+            stages=stages,
         )
 
 
-def attention_layers(model_config: Any, parallel_config: Any) -> int:
-    """Decoder layers with a per-token KV cache (this pipeline stage's): what ``anchors`` index. A hybrid model's
-    recurrent-state layers (Qwen3.5: three Gated DeltaNet layers to one full-attention layer) are not counted."""
-    start, end = model_config.get_layers_start_end_indices(parallel_config)
-    types = getattr(model_config.hf_text_config, "layer_types", None)
-    if model_config.is_hybrid and types:
-        return sum(kind == "full_attention" for kind in types[start:end])
-    return end - start
+def pipeline_change(policy: KVPolicyConfig, stages: Sequence[range]) -> str | None:
+    """What pipeline parallelism changes in the policy's anchors, in words for the start-up line, or ``None``
+    (one stage, or no change). Each stage selects on its own layers
+    (:func:`~cords_vllm.compress.pipeline.pipeline_anchors`): the workers apply and check the same rule."""
+    effective = pipeline_anchors(policy.anchors, stages)
+    if len(stages) < 2 or effective == policy.anchors:
+        return None
+    layout = ", ".join(f"{s.start}..{s.stop - 1}" for s in stages)
+    return (f"anchors {list(policy.anchors or ())} -> {list(effective or ())} (pipeline parallel, attention layers "
+            f"{layout} per stage: each stage selects on its own layers)")
 
 
 def ubatching_flag(parallel_config: Any) -> str | None:

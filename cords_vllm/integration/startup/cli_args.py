@@ -35,7 +35,13 @@ from cords_vllm.config import (
     KVPolicyConfigError,
     available_policies,
 )
-from cords_vllm.integration.startup.checks import EngineFacts, check_engine, check_engine_settings, ubatching_flag
+from cords_vllm.integration.startup.checks import (
+    EngineFacts,
+    check_engine,
+    check_engine_settings,
+    pipeline_change,
+    ubatching_flag,
+)
 from cords_vllm.integration.startup.engine_args import adjust_engine_args
 
 logger = logging.getLogger(__name__)
@@ -125,7 +131,10 @@ def checked_engine_config(engine_args: Any, create: Callable[..., Any], *args: A
         check_engine_settings(policy.policy, ubatching_flag(engine_args), None)
     vllm_config = create(engine_args, *args, **kwargs)
     if policy.enabled:
-        check_engine(policy, EngineFacts.from_vllm_config(vllm_config))
+        facts = EngineFacts.from_vllm_config(vllm_config)
+        check_engine(policy, facts)
+        if (change := pipeline_change(policy, facts.stages)) is not None:
+            changes.append(change)
         logger.info("%s", startup_line(policy, changes))
     return vllm_config
 

@@ -49,6 +49,7 @@ from cords_vllm.integration.engine_facts import attention_group_index, model_fac
 from cords_vllm.integration.plans import plans_of
 from cords_vllm.integration.published import PUBLISH_INTERVAL_S, Publisher
 from cords_vllm.integration.worker.cpu_layout import accessor_for_layer, codec_for_layer, kv_cache_dtype_of
+from cords_vllm.integration.worker.pipeline_parallel import stage_anchors
 from cords_vllm.integration.worker.tensor_parallel import tp_head_gatherer
 from cords_vllm.integration.worker.timing import CompressionTimer
 from cords_vllm.integration.worker.tracker import WorkerRequest
@@ -119,7 +120,9 @@ class WorkerCompressor:
         self.group_index = attention_group_index([g.kv_cache_spec for g in groups], config)
         names = sorted(groups[self.group_index].layer_names, key=_layer_index)
         self.layer_names = names
-        config.check_model(len(names))
+        #: Each layer's anchor, as a position in ``names``; mapped by the layer's index in the model, so a pipeline
+        #: stage's layers follow anchors on the stage (:mod:`cords_vllm.integration.worker.pipeline_parallel`).
+        anchor_of = stage_anchors(config, runner.vllm_config, [_layer_index(n) for n in names])
         self.facts = model_facts_of(runner.vllm_config)
         if config.granularity == "frame" and not self.facts.finds_frames:
             raise ValueError(
@@ -139,7 +142,7 @@ class WorkerCompressor:
         self.block_size = self.accessors[0].block_size
         self.setup = SelectionSetup(
             selector=get_selector(config.policy, **dict(config.params)), granularity=config.granularity,
-            per_head=config.per_head, anchor_of=tuple(config.anchor_of(i, len(names)) for i in range(len(names))),
+            per_head=config.per_head, anchor_of=anchor_of,
             gather_heads=None if config.per_head else tp_head_gatherer(runner, self.accessors[0].num_kv_heads))
         self.requests: dict[str, WorkerRequest] = {}
         #: The scheduler's plans for sessions whose next turn has not reached the worker yet.
