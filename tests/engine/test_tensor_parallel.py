@@ -19,21 +19,15 @@ the TP workers, so they load the plugin themselves.
 from __future__ import annotations
 
 import gc
-import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 
-import numpy as np
 import pytest
 import torch
 
 from cords_vllm.config import kv_policy_args
 from cords_vllm.integration.inprocess.introspect import snapshot, worker_snapshots
 from cords_vllm.integration.inprocess.llm import make_llm
-from cords_vllm.integration.inprocess.session import EngineSession
 from tests.engine.conftest import BLOCK, CHUNK, VIDEO_PROMPT
-
-CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+from tests.engine.parallel_runs import CLIPS, CORES, bind_one_per_core, env, live_session, noise_video
 
 pytestmark = [pytest.mark.engine,
               pytest.mark.skipif(len(CORES) < 2, reason="tensor parallelism on CPU needs two cores (one rank each)")]
@@ -46,28 +40,6 @@ CONFIGS = {
     "token-per-head": {"granularity": "token", "per_head": True},
 }
 SESSION_CONFIGS = ("token",)
-CLIPS, CLIP_FRAMES = 4, 4
-OPEN, CLIP = "<|im_start|>user\n", "<|vision_start|><|video_pad|><|vision_end|>"
-QUESTION = "What color was the square?<|im_end|>\n<|im_start|>assistant\n"
-
-
-def noise_video(frames: int, seed: int) -> np.ndarray:
-    """``uint8 [frames, 224, 224, 3]`` random pixels (no two patches alike: no ties in selection)."""
-    return np.random.default_rng(seed).integers(0, 256, (frames, 224, 224, 3), dtype=np.uint8)
-
-
-@contextmanager
-def _env(**values: str) -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _kept(llm) -> list[tuple[str, int, list[torch.Tensor]]]:
@@ -83,31 +55,17 @@ def _kept(llm) -> list[tuple[str, int, list[torch.Tensor]]]:
     return kept
 
 
-def _session(llm) -> dict:
-    """A live stream of noise clips with a question after the second and the last; answers and kept ids."""
-    session = EngineSession(llm, "camera-tp")
-    answers = []
-    for i in range(CLIPS):
-        session.push({"prompt": (OPEN if i == 0 else "") + CLIP,
-                      "multi_modal_data": {"video": noise_video(CLIP_FRAMES, seed=100 + i)}}, max_tokens=1)
-        if i in (1, CLIPS - 1):
-            answers.append(session.push({"prompt": QUESTION + ("" if i == CLIPS - 1 else OPEN)}, max_tokens=3))
-    kept = [k for k in _kept(llm) if k[0] == session.request_id]
-    session.close()
-    return {"answers": answers, "kept": kept, "free": snapshot(llm).free_blocks}
-
-
 def _run(model: str, tp: int, config: dict, with_session: bool) -> dict:
     from vllm import SamplingParams
 
     kwargs = {"block_size": BLOCK, "max_num_batched_tokens": 4096, "max_num_scheduled_tokens": CHUNK,
               "limit_mm_per_prompt": {"image": 0, "video": CLIPS},
               **kv_policy_args("cords", budget=BUDGET, slack=SLACK, **config)}
-    env = {}
-    if tp > 1:  # one rank per core; the default binding ("auto") refuses a machine with one NUMA node
+    binding = {}
+    if tp > 1:  # one rank per core
         kwargs.update(tensor_parallel_size=tp, distributed_executor_backend="mp")
-        env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(c) for c in CORES[:tp])}
-    with _env(**env):
+        binding = bind_one_per_core(tp)
+    with env(**binding):
         llm = make_llm(model, **kwargs)
         try:
             free = snapshot(llm).free_blocks
@@ -118,7 +76,7 @@ def _run(model: str, tp: int, config: dict, with_session: bool) -> dict:
                       "logprobs": [{t: lp.logprob for t, lp in step.items()} for step in out.logprobs],
                       "kept": _kept(llm), "free_before": free, "free_after": snapshot(llm).free_blocks}
             if with_session:
-                result["session"] = _session(llm)
+                result["session"] = live_session(llm, _kept, "camera-tp")
         finally:
             llm.llm_engine.engine_core.shutdown()
             del llm
