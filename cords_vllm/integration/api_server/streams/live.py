@@ -129,8 +129,9 @@ class LiveStream:
     fps:
         The camera's frames per second (:data:`DEFAULT_FPS` if not given): the time of every frame pushed.
     turn_tokens, max_model_len:
-        ``(prompt text, clip or None) -> (tokens, video tokens)`` of one turn as the engine will count them (its
-        text with the clip's video tokens; the clip is ``[T, H, W, 3]``), and the server's ``--max-model-len``: a
+        ``(prompt text, clip or None, clip metadata or None) -> (tokens, video tokens)`` of one turn as the engine
+        will count them (its text with what the processor writes for the clip: video tokens, and Qwen3-VL's frame
+        times; the clip is ``[T, H, W, 3]``), and the server's ``--max-model-len``: a
         turn longer than that on its own is refused (:class:`TurnTooLong`) before the engine sees it, which would
         otherwise end the stream.
         ``None``: no check.
@@ -141,7 +142,7 @@ class LiveStream:
     def __init__(self, engine: Any, stream_id: str | None = None, *, extra_args: dict[str, Any] | None = None,
                  metadata: dict[str, Any] | None = None, text: TextBudget | None = None,
                  count_text: Callable[[str], int] | None = None,
-                 turn_tokens: Callable[[str, np.ndarray | None], tuple[int, int]] | None = None,
+                 turn_tokens: Callable[[str, np.ndarray | None, dict[str, Any] | None], tuple[int, int]] | None = None,
                  max_model_len: int | None = None, fps: float | None = None,
                  engine_index: int | None = None) -> None:
         self.engine = engine
@@ -227,11 +228,12 @@ class LiveStream:
 
     # ----------------------------------------------------------------------------------------------
     async def run_turn(self, build: Callable[[Transcript], dict[str, Any]], params: Any, what: str,
-                       clip: np.ndarray | None = None) -> Turn:
+                       clip: np.ndarray | None = None, clip_metadata: dict[str, Any] | None = None) -> Turn:
         """Queue one turn once the previous one has ended; returns it (read it with :meth:`Turn.deltas`).
 
         ``build`` gives the turn's prompt (``{"prompt": text, ...}``) from the conversation as it stands then,
-        advancing the transcript it is given; ``what`` names the turn in a refusal; ``clip`` is its video, if any.
+        advancing the transcript it is given; ``what`` names the turn in a refusal; ``clip`` is its video, if any,
+        with its ``clip_metadata`` (:func:`clip_input`).
         Raises (nothing sent, the stream unchanged) :class:`~cords_vllm.conversation.text_budget.TextRoomExceeded`
         when the turn could take the stream past its text limit and :class:`TurnTooLong` when the turn alone is
         longer than ``--max-model-len``; :class:`StreamEnded` when the stream has ended.
@@ -246,7 +248,7 @@ class LiveStream:
             transcript = dataclasses.replace(self.transcript)
             prompt = build(transcript)
             if self.turn_tokens is not None and self.max_model_len is not None:
-                tokens, video = self.turn_tokens(prompt["prompt"], clip)
+                tokens, video = self.turn_tokens(prompt["prompt"], clip, clip_metadata)
                 if tokens > self.max_model_len:
                     raise TurnTooLong(
                         f"{what} is {tokens} tokens on its own, longer than --max-model-len ({self.max_model_len})"
@@ -292,7 +294,7 @@ class LiveStream:
     async def _append_clip(self, clip: np.ndarray) -> None:
         video = clip_input(clip, self.fps, self.stats.frames_sent)
         turn = await self.run_turn(lambda t: {"prompt": t.clip(), "multi_modal_data": {"video": video}},
-                                   self.params(1), "this push", clip)
+                                   self.params(1), "this push", clip, video[1])
         await turn.wait()
         self.stats.clips += 1
         self.stats.frames_sent += len(clip)

@@ -22,6 +22,7 @@ from cords_vllm.integration.api_server.streams.api import STATE_KEY, APIError, r
 from cords_vllm.integration.api_server.streams.ledger import PoolLedger
 from cords_vllm.integration.api_server.streams.registry import StreamLimits, StreamRegistry
 from cords_vllm.integration.api_server.streams.siblings import LINK_KEY, SiblingLink, StreamForwarding
+from cords_vllm.integration.api_server.streams.turn_tokens import turn_counter
 from cords_vllm.integration.engine_facts import model_facts_of
 from cords_vllm.integration.published import metrics_dir
 from cords_vllm.model_facts import ModelFacts
@@ -80,7 +81,8 @@ class StreamsPlugin:
                                   block_size=vllm_config.cache_config.block_size, pool_blocks=pool_blocks,
                                   max_model_len=vllm_config.model_config.max_model_len,
                                   count_text=_text_counter(encode, facts),
-                                  turn_tokens=_turn_counter(encode, facts, vllm_config), ledger=ledger)
+                                  turn_tokens=turn_counter(encode, facts, vllm_config, _tokenizer(engine_client)),
+                                  ledger=ledger)
         registry.unsupported = facts.streams_unsupported
         setattr(state, STATE_KEY, registry)
         if count > 1:
@@ -116,13 +118,17 @@ def _app_of(state: Any) -> Any:
     return app
 
 
-def _encoder(engine_client: Any) -> Callable[[str], list[int]] | None:
-    """``text -> token ids`` with the served model's tokenizer (no special tokens added), or ``None`` without one
-    (e.g. ``--skip-tokenizer-init``)."""
+def _tokenizer(engine_client: Any) -> Any:
+    """The served model's tokenizer, or ``None`` without one (e.g. ``--skip-tokenizer-init``)."""
     try:
-        tokenizer = engine_client.get_tokenizer()
+        return engine_client.get_tokenizer()
     except Exception:  # e.g. --skip-tokenizer-init
-        tokenizer = None
+        return None
+
+
+def _encoder(engine_client: Any) -> Callable[[str], list[int]] | None:
+    """``text -> token ids`` with the served model's tokenizer (no special tokens added), or ``None`` without one."""
+    tokenizer = _tokenizer(engine_client)
     if tokenizer is None:
         return None
     return lambda text: tokenizer.encode(text, add_special_tokens=False)
@@ -138,41 +144,6 @@ def _text_counter(encode: Callable[[str], list[int]] | None, facts: ModelFacts) 
                        "the engine instead of refused")
         return None
     return protected_token_counter(encode, facts.candidate_token_ids(("video",)))
-
-
-def _turn_counter(encode: Callable[[str], list[int]] | None, facts: ModelFacts, vllm_config: Any
-                  ) -> Callable[[str, Any], tuple[int, int]] | None:
-    """``(prompt text, clip [T, H, W, 3] or None) -> (tokens, video tokens)`` of a stream turn as the engine counts
-    them: the prompt's tokens with its one video placeholder replaced by the clip's video tokens, counted by the
-    served model's own processing info (``get_num_video_tokens``, with ``--mm-processor-kwargs`` applied).
-    ``None`` when the model offers no such count: the engine then checks each turn's length itself (and ends the
-    stream)."""
-    from vllm.multimodal import MULTIMODAL_REGISTRY
-
-    placeholder = facts.placeholder_token_ids.get("video")
-    if placeholder is None:
-        return None
-    if encode is None:
-        logger.warning("cords-vllm: no tokenizer: a push longer than --max-model-len ends its stream instead of "
-                       "being refused")
-        return None
-    try:
-        info = MULTIMODAL_REGISTRY.create_processor(vllm_config.model_config).info
-        count_video, image_processor = info.get_num_video_tokens, info.get_image_processor()
-    except Exception as exc:  # a model without a video token count
-        logger.warning("cords-vllm: cannot count a stream turn's tokens (%s: %s): a push longer than "
-                       "--max-model-len ends its stream instead of being refused", type(exc).__name__, exc)
-        return None
-
-    def turn_tokens(prompt: str, clip: Any) -> tuple[int, int]:
-        ids = encode(prompt)
-        if clip is None:
-            return len(ids), 0
-        frames, height, width = int(clip.shape[0]), int(clip.shape[1]), int(clip.shape[2])
-        video = int(count_video(image_width=width, image_height=height, num_frames=frames,
-                                image_processor=image_processor, mm_kwargs={}))
-        return len(ids) - ids.count(placeholder) + video, video
-    return turn_tokens
 
 
 def make_attach_endpoint_plugins(original: Callable) -> Callable:

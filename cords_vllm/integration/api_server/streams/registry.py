@@ -23,6 +23,7 @@ from cords_vllm.config import REQUEST_OVERRIDES_KEY, KVPolicyConfig, KVPolicyCon
 from cords_vllm.conversation.text_budget import TextBudget
 from cords_vllm.integration.api_server.streams.ledger import PoolLedger, TooManyStreams  # noqa: F401 (re-exported)
 from cords_vllm.integration.api_server.streams.live import LiveStream
+from cords_vllm.integration.api_server.streams.turn_tokens import TurnCounter
 from cords_vllm.utils import cdiv
 
 logger = logging.getLogger(__name__)
@@ -100,7 +101,7 @@ class StreamRegistry:
     def __init__(self, engine: Any, limits: StreamLimits, *, policy: KVPolicyConfig | None = None,
                  model_name: str = "", block_size: int = 16, pool_blocks: int | None = None,
                  max_model_len: int = 1 << 30, count_text: Callable[[str], int] | None = None,
-                 turn_tokens: Callable[[str, Any], tuple[int, int]] | None = None,
+                 turn_tokens: TurnCounter | None = None,
                  ledger: PoolLedger | None = None) -> None:
         self.engine = engine
         self.limits = limits
@@ -112,8 +113,8 @@ class StreamRegistry:
         self.pool_blocks = pool_blocks
         self.max_model_len = max_model_len
         self.count_text = count_text
-        #: ``(prompt text, clip or None) -> (tokens, video tokens)`` of a turn as the engine counts them (``None``:
-        #: unknown).
+        #: ``(prompt text, clip or None, clip metadata or None) -> (tokens, video tokens)`` of a turn as the engine
+        #: counts them (``None``: unknown; :mod:`.turn_tokens`).
         self.turn_tokens = turn_tokens
         #: Commitments of every API server's streams on every engine's pool (a private one: this server alone).
         self.ledger = ledger or PoolLedger(pool_blocks=pool_blocks, max_streams=limits.max_streams)
