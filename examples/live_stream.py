@@ -9,6 +9,9 @@ then stream a video file (or, without --video, a synthetic camera) in real time 
 
     python examples/live_stream.py --url http://127.0.0.1:8000 --video cam.mp4 --fps 2 --ask-every 30 \
         --question "What is happening at the door?"
+
+Behind vLLM's router in front of several servers (README "Scaling out"), give the router's address and
+--router: every request of the stream carries one session key, so it reaches the server that holds the stream.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ def main(argv: list[str] | None = None) -> list[str]:
     p = argparse.ArgumentParser()
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--api-key", default=None)
+    p.add_argument("--router", action="store_true",
+                   help="--url is vLLM's router (vllm-router) in front of several servers")
     p.add_argument("--video", default=None, help="a video file; default: a synthetic camera")
     p.add_argument("--seconds", type=float, default=16.0, help="how long the synthetic camera runs")
     p.add_argument("--fps", type=float, default=8.0)
@@ -41,7 +46,7 @@ def main(argv: list[str] | None = None) -> list[str]:
         n = int(args.seconds * args.fps) // 2 * 2
         frames = iter(make_video(n, 112, 112, seed=0).frames)
 
-    client = StreamClient(args.url, api_key=args.api_key)
+    client = StreamClient(args.url, api_key=args.api_key, router=args.router)
     answers = []
     with client.open(kv_policy={"budget": args.budget} if args.budget else None,
                      metadata={"source": args.video or "synthetic"}) as stream:
