@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
+import urllib.request
 
 import pytest
 
@@ -61,6 +63,18 @@ def _wait_blocks_back(server: VLLMServer) -> None:
         time.sleep(0.3)
 
 
+def _engines_in_use(server: VLLMServer) -> set[str]:
+    """The engines whose KV cache vLLM reports in use (``vllm:kv_cache_usage_perc`` by its ``engine`` label)."""
+    with urllib.request.urlopen(server.base_url + "/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    used = set()
+    for labels, value in re.findall(r'^vllm:kv_cache_usage_perc\{([^}]*)\} ([0-9.eE+-]+)$', text, re.M):
+        engine = re.search(r'engine="(\d+)"', labels)
+        if engine and float(value) > 0:
+            used.add(engine.group(1))
+    return used
+
+
 def _every_request_reaches_its_stream(client: StreamClient, streams: list) -> None:
     """Each request is a new connection, which the kernel gives to either API server."""
     for stream in streams:
@@ -91,6 +105,7 @@ def test_streams_spread_over_both_engines_and_answer_the_same_on_either(dp_serve
     assert all(answers) and len(set(answers)) == 1, answers
 
     time.sleep(1.5)  # the engines publish what each stream holds within ~0.5 s
+    assert _engines_in_use(dp_server) == {"0", "1"}  # vLLM's own view: both engines hold streams' KV
     listing = client.request("GET", "/v1/streams")
     held = {item["id"]: item["kv"] for item in listing["data"]}
     assert set(held) == {s.id for s in streams}, "the listing misses another API server's streams"
