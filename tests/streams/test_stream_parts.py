@@ -169,3 +169,34 @@ def test_frames_may_be_openai_image_parts():
     with pytest.raises(FrameError) as err:
         _decode([url, {"type": "image_url", "image_url": {}}], None, StreamLimits())
     assert err.value.field == "frames[1]"
+
+
+def test_llava_turns_are_its_chat_template_and_count_their_text():
+    """LLaVA-NeXT-Video's stream turns concatenate to what the checkpoint's chat template renders for the same
+    conversation (clips, a question, an answer, more clips, a question), and the protected-token count of a turn
+    leaves out its ``<video>`` placeholders only (the engine's candidates); ChatML turns do not match (control)."""
+    from transformers import AutoProcessor
+
+    from cords_vllm.conversation.text_budget import protected_token_counter
+    from cords_vllm.conversation.transcript import CHATML, LLAVA
+    from cords_vllm.lab.synthetic.tiny_llava import VIDEO_TOKEN, build_tiny_llava_next_video
+
+    processor = AutoProcessor.from_pretrained(str(build_tiny_llava_next_video()))
+    video, answer = {"type": "video"}, "It was red."
+    messages = [{"role": "user", "content": [video, video, {"type": "text", "text": "q1?"}]},
+                {"role": "assistant", "content": [{"type": "text", "text": answer}]},
+                {"role": "user", "content": [video, {"type": "text", "text": "q2?"}]}]
+    rendered = processor.apply_chat_template(messages, add_generation_prompt=True)
+
+    def stream_text(markup) -> str:
+        t = Transcript(markup)
+        # the engine keeps the answer it generated after "ASSISTANT:" (its end token discarded)
+        return t.clip() + t.clip() + t.question("q1?") + " " + answer + t.clip() + t.question("q2?")
+
+    assert stream_text(LLAVA) == rendered
+    assert stream_text(CHATML) != rendered
+    tokenizer = processor.tokenizer
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    count = protected_token_counter(encode, [tokenizer.convert_tokens_to_ids(VIDEO_TOKEN)])
+    t = Transcript(LLAVA)
+    assert count(t.clip()) == len(encode("USER: ")) + len(encode("\n")) and count(t.clip()) == len(encode("\n"))
