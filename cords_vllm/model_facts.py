@@ -86,10 +86,19 @@ class ModelFacts:
     hybrid: bool = False
 
     @property
+    def explicit_positions(self) -> bool:
+        """Whether every token's rotary position is computed from the prompt's layout (M-RoPE), not its index in
+        the request (1-D rotary: position = index, so a re-based request's new tokens take an offset, the tokens
+        it lost; see :mod:`cords_vllm.integration.worker.positions`)."""
+        return self.frames_from == FRAMES_FROM_MROPE
+
+    @property
     def rebases_streams(self) -> bool:
-        """Whether a stream's evicted tokens can leave its request: its positions are explicit (M-RoPE), so the
-        tokens after a removed range keep theirs, and every layer keeps per-token KV (not a hybrid)."""
-        return self.frames_from == FRAMES_FROM_MROPE and not self.hybrid
+        """Whether a stream's evicted tokens can leave its request: every layer keeps per-token KV (not a
+        hybrid, whose state layers' cache rows follow the request's token count). The tokens after a removed
+        range keep their positions: explicitly with M-RoPE, through the worker's position offset with 1-D
+        rotary positions."""
+        return not self.hybrid
 
     @property
     def streams_unsupported(self) -> str | None:

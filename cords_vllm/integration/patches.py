@@ -102,6 +102,12 @@ WORKER: tuple[Entry, ...] = (
           why="vLLM recomputes a session's M-RoPE positions for its whole prompt at every turn, from token indices: "
               "a re-based session's tokens no longer sit at their original indices. Keep the held and recent "
               "tokens' positions, and compute only the new turn's, from the session's next position"),
+    Patch("vllm.v1.worker.gpu_model_runner:GPUModelRunner._prepare_inputs",
+          ("self", "scheduler_output", "num_scheduled_tokens"), worker.make_prepare_inputs,
+          why="without M-RoPE a token's position is its index in the request (num_computed_tokens + its place in "
+              "the step), and vLLM has no per-request position offset: a re-based stream's new tokens would take "
+              "positions short by the tokens its re-bases removed. Add them to its positions once they are computed "
+              "(after the slot mapping, which stays an index); never-re-based requests and M-RoPE models untouched"),
     Patch("vllm.v1.worker.utils:AttentionGroup.build_metadata",
           ("self", "common_attn_metadata", "ubatch_idx", "common_prefix_len"), worker.make_build_metadata,
           why="attention kernels have no notion of holes in a row: show them compressed rows compacted",

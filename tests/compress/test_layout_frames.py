@@ -31,7 +31,7 @@ def _llava_config(image_size: int, patch_size: int, stride: int = 2) -> SimpleNa
 def test_llava_next_video_facts_find_frames_from_the_layout():
     facts = ModelFacts.from_hf_config(_llava_config(336, 14), uses_mrope=False)  # LLaVA-NeXT-Video-7B
     assert facts.frames_from == FRAMES_FROM_LAYOUT and facts.tokens_per_frame == 144 and facts.finds_frames
-    assert not facts.rebases_streams and facts.placeholder_token_ids == {"video": 7}
+    assert facts.rebases_streams and not facts.explicit_positions and facts.placeholder_token_ids == {"video": 7}
     assert layout_tokens_per_frame(_llava_config(80, 8)) == 25
     assert layout_tokens_per_frame(_llava_config(84, 14)) == 9  # ceil(6 / 2) ** 2, as vLLM counts
     assert layout_tokens_per_frame(SimpleNamespace(model_type="llama")) is None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -49,3 +50,29 @@ def test_a_clip_takes_its_largest_side_not_its_tokens():
     assert next_position(clip.num_tokens + 2, [clip]) == 18  # its 16 positions and the two vision markers
     with pytest.raises(ValueError, match="overlaps"):
         next_position(10, [Grid(0, 1, 2, 2), Grid(3, 1, 2, 2)])
+
+
+def test_1d_positions_advance_by_every_token_and_m_rope_by_extent():
+    """The scheduler's count for a 1-D rotary model (LLaVA-NeXT-Video) is one position per token, video tokens
+    included; the same segment with M-RoPE facts advances by the grid's extent instead (control)."""
+    from cords_vllm.integration.engine_core.requests import positions_after
+    from cords_vllm.model_facts import FRAMES_FROM_LAYOUT, FRAMES_FROM_MROPE, ModelFacts
+
+    one_d = ModelFacts(model_type="llava_next_video", frames_from=FRAMES_FROM_LAYOUT, tokens_per_frame=25)
+    assert positions_after(110, [object()], one_d, start=40, start_position=1000) == 1110
+    mrope = ModelFacts(model_type="qwen2_vl", frames_from=FRAMES_FROM_MROPE, spatial_merge_size=2)
+    grid = SimpleNamespace(modality="video", mm_position=SimpleNamespace(offset=45, length=64, is_embed=None),
+                           data={"video_grid_thw": SimpleNamespace(data=torch.tensor([1, 16, 16]))})
+    assert positions_after(110, [grid], mrope, start=40, start_position=1000) == 1000 + 5 + 8 + 41
+
+
+def test_the_position_offset_shifts_only_re_based_requests_tokens():
+    """``shift_positions`` adds each request's removed tokens to its own tokens of the step (rows by
+    ``query_start_loc``), leaves other requests and empty rows alone, and does nothing without offsets."""
+    from cords_vllm.integration.worker.positions import shift_positions
+
+    positions = torch.tensor([0, 1, 2, 7, 8, 3, 4, 5, 6])  # three requests: 3, 2 and 4 tokens
+    starts = np.array([0, 3, 5, 9, 9], dtype=np.int32)  # a fourth row with no tokens this step
+    assert shift_positions(positions, starts, [(0, 0), (2, 100), (3, 50)]) == 1
+    assert positions.tolist() == [0, 1, 2, 7, 8, 103, 104, 105, 106]
+    assert shift_positions(positions, starts, []) == 0 and positions[:5].tolist() == [0, 1, 2, 7, 8]

@@ -5,13 +5,13 @@ from __future__ import annotations
 import gc
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
 
 from cords_vllm.config import kv_policy_args
-from cords_vllm.integration.inprocess.introspect import record_steps, snapshot
+from cords_vllm.integration.inprocess.introspect import host_lengths, record_steps, snapshot
 from cords_vllm.integration.inprocess.llm import make_llm
 from cords_vllm.lab.reference.exactness import chunks_for, evictions_of
 from cords_vllm.lab.synthetic import make_video
@@ -127,19 +127,27 @@ class SessionRun:
     events: list
     free_before: int
     free_after: int
+    logprobs: list = field(default_factory=list)
+    #: The request's host lengths before closing (``HostLengths``: tokens, prompt, row, inputs, worker copies).
+    lengths: object = None
 
 
-def run_session(llm, turns: list[dict], max_tokens: int = 1) -> SessionRun:
-    """Push ``turns`` (engine prompts) into one :class:`EngineSession` of ``llm``, then close it."""
+def run_session(llm, turns: list[dict], max_tokens: int = 1, logprobs: int | None = None,
+                answer_tokens: int | None = None) -> SessionRun:
+    """Push ``turns`` (engine prompts) into one :class:`EngineSession` of ``llm``, then close it. Each turn generates
+    ``max_tokens`` tokens, the last one ``answer_tokens`` if given, with its top ``logprobs`` log-probabilities per
+    token in :attr:`SessionRun.logprobs`."""
     from cords_vllm.integration.inprocess.session import EngineSession
 
     free = snapshot(llm).free_blocks
     session = EngineSession(llm, "camera-0")
     answer: list[int] = []
-    for turn in turns:
-        answer = session.push(turn, max_tokens)
+    for i, turn in enumerate(turns):
+        last = i == len(turns) - 1
+        answer = session.push(turn, answer_tokens if last and answer_tokens else max_tokens, logprobs)
     state = snapshot(llm)
     held = state.requests[session.request_id]
+    lengths = host_lengths(llm, session.request_id)
     events = [e for e in state.events if e.req_id == session.request_id]
     session.close()
-    return SessionRun(answer, held, events, free, snapshot(llm).free_blocks)
+    return SessionRun(answer, held, events, free, snapshot(llm).free_blocks, session.logprobs, lengths)

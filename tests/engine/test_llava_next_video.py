@@ -7,7 +7,9 @@ rounding; compressed at ``token`` and ``frame`` granularity, the reference that 
 engine's workers dropped at the same points agrees too (kept tokens keep their positions, later tokens continue
 at their logical ones), and a reference without the evictions does not. The model has no M-RoPE: its frames are
 found from the placeholder's layout (each frame 25 contiguous ``<video>`` tokens), so frame granularity keeps or
-drops whole frames, and only video tokens are ever evicted.
+drops whole frames, and only video tokens are ever evicted. A live stream of clips in LLaVA's chat markup is
+re-based at every turn and still equals the reference: its new tokens' 1-D positions take the tokens removed so
+far as an offset (without it, they do not).
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ def test_frames_come_from_the_placeholder_layout(llava):
     facts = ModelFacts.from_hf_config(AutoConfig.from_pretrained(llava[0]), uses_mrope=False)
     assert facts.model_type == "llava_next_video" and facts.frames_from == FRAMES_FROM_LAYOUT
     assert facts.tokens_per_frame == SPEC.tokens_per_frame == 25 and facts.finds_frames
-    assert not facts.rebases_streams, "1-D rotary: a re-based request would shift its positions"
+    assert facts.rebases_streams and not facts.explicit_positions, "1-D rotary: re-based with a position offset"
     assert facts.vision_markers == frozenset()
 
 
@@ -109,31 +111,58 @@ def test_compressed_engine_equals_the_hf_reference(llava, granularity):
 
 
 
-@pytest.mark.slow  # in -m slow (make test-slow): keeps the default suite under 20 minutes
-def test_a_session_is_compressed_across_turns_without_re_basing(llava):
-    """An engine session of 6 clips (not re-based: 1-D positions would shift) compresses across turns at frame
-    granularity, keeps its row logical (null entries where it evicted), answers as the HF reference over the
-    whole session with the same evictions, and returns every block when closed."""
+def _session(llava, turns: list[dict], max_tokens: int):
+    """One re-based engine session of ``turns`` (frame granularity, fp32; the last turn generates ``max_tokens``
+    tokens, the others one), closed; its :class:`SessionRun`."""
     from cords_vllm.config import kv_policy_args
     from cords_vllm.integration.inprocess.llm import make_llm
 
-    path, reference = llava
-    llm = make_llm(path, block_size=32, max_num_batched_tokens=4096, max_num_scheduled_tokens=256,
+    llm = make_llm(llava[0], block_size=32, max_num_batched_tokens=4096, max_num_scheduled_tokens=256,
                    limit_mm_per_prompt={"video": 1}, **kv_policy_args("cords", budget=192, slack=64))
-    clips = [video(4, seed=100 + i) for i in range(6)]
-    texts = ["USER: <video>\n"] + ["<video>\n"] * 5
-    question = "What color was the square? ASSISTANT:"
-    turns = [{"prompt": t, "multi_modal_data": {"video": f}} for t, f in zip(texts, clips, strict=True)]
-    run = run_session(llm, [*turns, {"prompt": question}])
-    answer, held, events = run.answer, run.held, run.events
-    assert run.free_after == run.free_before
+    run = run_session(llm, turns, logprobs=20, answer_tokens=max_tokens)
     del llm
     gc.collect()
-    assert held.evicted_tokens > 0 and held.region_blocks > held.held_blocks, "compressed, row kept logical"
-    evictions = evictions_of(events)
-    assert len(evictions) >= 3
+    return run
+
+
+def test_a_re_based_session_equals_the_reference_and_needs_the_position_offset(llava, monkeypatch):
+    """A stream of 6 clips in LLaVA's chat markup is re-based at every turn (evicted tokens leave the request in
+    every process), yet its answer equals the HF reference over the whole stream with the same evictions, every
+    top log-prob within fp32 rounding: each new token's 1-D position is its index in the request plus the
+    tokens removed so far (the model runner's position offset). Without the offset the same session's log-probs
+    differ (negative control); closing returns every block."""
+    from cords_vllm.conversation.transcript import LLAVA, Transcript
+    from cords_vllm.integration.worker import hooks
+
+    _, reference = llava
+    clips = [video(4, seed=100 + i) for i in range(6)]
+    transcript = Transcript(LLAVA)
+    texts = [transcript.clip() for _ in clips]
+    question = transcript.question("What color was the square?")
+    assert texts[0] == "USER: <video>\n" and question == "What color was the square? ASSISTANT:"
+    turns = [*({"prompt": t, "multi_modal_data": {"video": f}} for t, f in zip(texts, clips, strict=True)),
+             {"prompt": question}]
+    steps = 4
+    run = _session(llava, turns, steps)
+    assert run.free_after == run.free_before
     prompt = "".join(texts) + question
     length = int(reference.encode(prompt, clips)[0].numel())
-    ref = reference.run(prompt, clips, max_new_tokens=1, chunk_sizes=chunks_for(length, evictions),
-                        evictions=evictions)
-    assert ref.token_ids == answer
+    assert run.held.evicted_tokens > 0 and run.lengths.prompt < length - 256, "re-based: evicted tokens left it"
+    evictions = evictions_of(run.events)
+    assert len(evictions) >= 3
+    ref = reference.run(prompt, clips, max_new_tokens=steps, chunk_sizes=chunks_for(length, evictions),
+                        evictions=evictions, forced_tokens=run.answer)
+    assert _gap(run.logprobs, ref) < TOL
+    assert ref.token_ids == run.answer
+
+    # negative control: the same session with the model runner's positions left as request indices
+    monkeypatch.setattr(hooks, "shift_positions", lambda *args: 0)
+    unshifted = _session(llava, turns, steps)
+    assert evictions_of(unshifted.events).keys() == evictions.keys()
+    assert _gap(unshifted.logprobs, ref) > CONTROL_FACTOR * TOL, "without the offset the positions are wrong"
+
+
+def _gap(logprobs: list[dict[int, float]], result) -> float:
+    """Largest ``|engine - reference|`` over the engine's top log-probs of every step."""
+    ref = result.logits.log_softmax(-1)
+    return max(abs(lp - float(ref[step, token])) for step, top in enumerate(logprobs) for token, lp in top.items())

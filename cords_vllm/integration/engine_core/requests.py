@@ -7,7 +7,7 @@ from collections.abc import Collection
 from typing import Any
 
 from cords_vllm.compress.plan import CandidateSpans
-from cords_vllm.compress.positions import Grid
+from cords_vllm.compress.positions import Grid, next_position
 from cords_vllm.config import MODALITIES
 from cords_vllm.model_facts import ModelFacts
 
@@ -108,3 +108,16 @@ def grids_of(features: Any, facts: ModelFacts, start: int = 0) -> list[Grid]:
             factor = (float(per_grid.item()) if per_grid is not None else 1.0) * (facts.tokens_per_second or 1.0)
         grids.append(Grid(feature.mm_position.offset - start, t, h // merge, w // merge, factor))
     return grids
+
+
+def positions_after(num_tokens: int, features: Any, facts: ModelFacts, start: int = 0, start_position: int = 0) -> int:
+    """The first rotary position after a segment of ``num_tokens`` tokens from token ``start`` of a request on,
+    whose first token takes ``start_position``; ``features`` are the segment's multimodal inputs.
+
+    M-RoPE (:attr:`~cords_vllm.model_facts.ModelFacts.explicit_positions`): a grid takes its extent
+    (:func:`~cords_vllm.compress.positions.next_position`); 1-D rotary positions: every token takes one, video
+    tokens included. Raises ``ValueError`` when an M-RoPE input's grid is missing (:func:`grids_of`).
+    """
+    if not facts.explicit_positions:
+        return start_position + num_tokens
+    return next_position(num_tokens, grids_of(features, facts, start), start=start_position)

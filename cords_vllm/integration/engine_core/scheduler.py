@@ -33,10 +33,9 @@ from cords_vllm.compress.plan import (
     next_compression_point,
     plan_compression,
 )
-from cords_vllm.compress.positions import next_position
 from cords_vllm.config import KVPolicyConfig, KVPolicyConfigError
 from cords_vllm.integration.engine_core.rebase import remove_range
-from cords_vllm.integration.engine_core.requests import grids_of
+from cords_vllm.integration.engine_core.requests import positions_after
 from cords_vllm.integration.engine_core.tracker import RequestCompression, RequestTracker, non_null_blocks
 from cords_vllm.integration.engine_facts import attention_manager, model_facts_of
 from cords_vllm.integration.plans import attach_plans
@@ -136,7 +135,7 @@ class SchedulerCompressor:
         if tracker.next_position is None:
             if tracker.rebased:
                 raise RuntimeError(f"request {request.request_id} was re-based before its positions were counted")
-            tracker.next_position = next_position(request.num_prompt_tokens, grids_of(request.mm_features, self.facts))
+            tracker.next_position = positions_after(request.num_prompt_tokens, request.mm_features, self.facts)
         return tracker.next_position
 
     def _position_reason(self, request: Any, tracker: RequestTracker) -> str | None:
@@ -151,8 +150,8 @@ class SchedulerCompressor:
         if end <= limit:
             return None
         return (f"its next turn would take its rotary positions to {end}, past the model's range of {limit} "
-                "(max_position_embeddings): a stream's limit is its positions, which advance by the extent of "
-                "each clip and by every text token, evicted or not")
+                "(max_position_embeddings): a stream's limit is its positions, which advance with every clip (by its "
+                "extent with M-RoPE, by its tokens with 1-D positions) and every text token, evicted or not")
 
     def before_session_update(self, scheduler: Any, session: Any) -> None:
         """A session's next turn arrived (before vLLM appends it): remove its evicted range from the request."""
@@ -178,8 +177,7 @@ class SchedulerCompressor:
         held, removed, start = tracker.turn_start
         tracker.turn_start = None
         turn = [f for f in session.mm_features if f.mm_position.offset >= start]
-        position = next_position(session.num_prompt_tokens - start, grids_of(turn, self.facts, start),
-                                 start=tracker.next_position)
+        position = positions_after(session.num_prompt_tokens - start, turn, self.facts, start, tracker.next_position)
         tracker.next_position = position
         self.pending.append(RebasePlan(session.request_id, held, removed, position))
         if removed:

@@ -46,9 +46,10 @@ class EngineSession:
         self.turns = 0
 
     @staticmethod
-    def params(max_tokens: int) -> SamplingParams:
-        """Greedy sampling for one turn (delta outputs, no stop strings: what resumable requests allow)."""
-        return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+    def params(max_tokens: int, logprobs: int | None = None) -> SamplingParams:
+        """Greedy sampling for one turn (delta outputs, no stop strings: what resumable requests allow), with the
+        top ``logprobs`` log-probabilities of every generated token if asked."""
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs,
                               output_kind=RequestOutputKind.DELTA)
 
     def _submit(self, prompt: Any, params: SamplingParams, resumable: bool) -> None:
@@ -68,22 +69,25 @@ class EngineSession:
             core_request.prompt_token_ids = list(request.prompt_token_ids)
         engine.engine_core.add_request(core_request)
 
-    def push(self, prompt: Any, max_tokens: int = 1) -> list[int]:
+    def push(self, prompt: Any, max_tokens: int = 1, logprobs: int | None = None) -> list[int]:
         """Run one turn: append ``prompt`` (a prompt dict, e.g. text with a video) and generate.
 
         Returns the ``max_tokens`` tokens the turn generated (the last one is discarded from the session's
-        context by vLLM, the others are kept).
+        context by vLLM, the others are kept); with ``logprobs``, :attr:`logprobs` holds each one's top
+        log-probabilities.
         """
-        self.start_turn(prompt, max_tokens)
+        self.start_turn(prompt, max_tokens, logprobs)
         return self.finish_turn()
 
-    def start_turn(self, prompt: Any, max_tokens: int = 1) -> None:
+    def start_turn(self, prompt: Any, max_tokens: int = 1, logprobs: int | None = None) -> None:
         """Submit a turn without running the engine (see :meth:`finish_turn`)."""
         if self.closed:
             raise SessionClosed(f"session {self.external_id} is closed")
-        self._submit(prompt, self.params(max_tokens), resumable=True)
+        self._submit(prompt, self.params(max_tokens, logprobs), resumable=True)
         self.turns += 1
         self._tokens: list[int] = []
+        #: The current turn's ``{token id: log-probability}`` per generated token (empty without ``logprobs``).
+        self.logprobs: list[dict[int, float]] = []
 
     def step(self) -> bool:
         """Run one engine step; True once the current turn has finished."""
@@ -91,6 +95,7 @@ class EngineSession:
             if out.request_id not in (self.request_id, self.external_id):
                 continue
             self._tokens.extend(out.outputs[0].token_ids)
+            self.logprobs.extend({t: lp.logprob for t, lp in step.items()} for step in out.outputs[0].logprobs or ())
             if out.outputs[0].finish_reason == "error":
                 # The engine ended the session (its blocks are free); the output processor still waits for
                 # the session's next input until it is told otherwise.

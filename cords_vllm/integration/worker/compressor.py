@@ -21,7 +21,9 @@ A streaming session's next turn reaches the worker as vLLM's ``_update_streaming
 again), with the scheduler's :class:`~cords_vllm.compress.plan.RebasePlan`: the worker keeps the positions of
 the tokens that remain, computes only the new turn's with the model's own M-RoPE rule from the session's next
 position (checked against the scheduler's count), and drops the holes of its row
-(:meth:`WorkerCompressor.turn_positions`).
+(:meth:`WorkerCompressor.turn_positions`). On a 1-D rotary model the turn's positions are the request's indices
+shifted by the tokens removed so far (:meth:`WorkerCompressor.rebase_turn`,
+:mod:`cords_vllm.integration.worker.positions`).
 """
 
 from __future__ import annotations
@@ -183,7 +185,11 @@ class WorkerCompressor:
 
     # ------------------------------------------------------------------------------------------------
     def on_step(self, runner: Any, scheduler_output: Any) -> None:
-        """Drop requests that left, then carry out this step's plans."""
+        """Drop requests that left, take this step's 1-D session turns, then carry out this step's plans."""
+        if not self.facts.explicit_positions:
+            for new in scheduler_output.scheduled_new_reqs or ():
+                if new.req_id in self.turns and new.req_id in runner.requests:
+                    self.rebase_turn(runner.requests[new.req_id])
         # A preempted request recomputes from scratch (its state goes when it is preempted); a resumed
         # streaming session keeps its KV and compressed region (its frames are re-read once its prompt grew).
         gone = set(scheduler_output.finished_req_ids or ()) | set(scheduler_output.preempted_req_ids or ())
@@ -264,7 +270,7 @@ class WorkerCompressor:
         begin, region_end = plan.prev_region_blocks * plan.block_size, plan.region_blocks * plan.block_size
         spans = [(max(a, begin), b) for a, b in plan.candidates.spans if b > begin]
         end = max([region_end, *(b for _, b in spans)])
-        labels = self._frame_labels(runner.requests[plan.req_id], begin, end)
+        labels = self._frame_labels(runner.requests[plan.req_id], begin, end, tracker.removed_tokens)
         if labels is None:
             if self.config.granularity == "frame":
                 raise WorkerPlanError(f"request {plan.req_id} has no M-RoPE positions to find its frames in")
@@ -275,16 +281,17 @@ class WorkerCompressor:
             tracker.largest_frame = max(tracker.largest_frame, *sizes)
         return labels[: region_end - begin]
 
-    def _frame_labels(self, state: Any, begin: int, end: int) -> torch.Tensor | None:
+    def _frame_labels(self, state: Any, begin: int, end: int, removed: int = 0) -> torch.Tensor | None:
         """Frame labels of the request's tokens ``[begin, end)`` (host, ``long [end - begin]``), non-decreasing
-        along the request: M-RoPE temporal positions, or, for a family whose placeholder is laid out frame after
-        frame (:data:`~cords_vllm.model_facts.FRAMES_FROM_LAYOUT`), each input's offset plus the frame index
-        within it (:func:`~cords_vllm.compress.frames.layout_labels`). ``None``: the request has no M-RoPE
-        positions."""
+        along the stream: M-RoPE temporal positions, or, for a family whose placeholder is laid out frame after
+        frame (:data:`~cords_vllm.model_facts.FRAMES_FROM_LAYOUT`), each input's offset in the stream (``removed``:
+        tokens re-basing took out of the request before it) plus the frame index within it
+        (:func:`~cords_vllm.compress.frames.layout_labels`), so they stay above the labels of the frames held from
+        before a re-base. ``None``: the request has no M-RoPE positions."""
         if self.facts.frames_from == FRAMES_FROM_LAYOUT:
             inputs = [(f.mm_position.offset, f.mm_position.length) for f in state.mm_features
                       if f.modality != "prompt_embeds"]
-            return layout_labels(begin, end, inputs, self.facts.tokens_per_frame)
+            return layout_labels(begin, end, inputs, self.facts.tokens_per_frame) + removed
         mrope = getattr(state, "mrope_positions", None)
         return None if mrope is None else mrope[0, begin:end].to(torch.long)
 
@@ -375,11 +382,38 @@ class WorkerCompressor:
                 f"{len(req_state.prompt_token_ids)}")
         req_state.mrope_positions = positions
         req_state.mrope_position_delta = next_position - positions.shape[1]
-        tracker = self.requests.get(req_state.req_id)
-        if tracker is not None and removed:
-            if tracker.holes[1] * self.block_size != held + removed:
-                raise WorkerPlanError(f"session {req_state.req_id}: the worker's region ends at block "
-                                      f"{tracker.holes[1]}, the scheduler removes tokens [{held}, {held + removed})")
+        self._drop_holes(req_state.req_id, plan)
+        return True
+
+    def _drop_holes(self, req_id: str, plan: RebasePlan) -> WorkerRequest | None:
+        """The session's row lost its null entries (vLLM replaced it with the scheduler's): so does its tracker,
+        which counts the tokens removed. Returns the tracker (``None``: never compressed)."""
+        tracker = self.requests.get(req_id)
+        held, removed = plan.held_tokens, plan.removed_tokens
+        if removed:
+            if tracker is None or tracker.holes[1] * self.block_size != held + removed:
+                raise WorkerPlanError(f"session {req_id}: the worker's region ends at block "
+                                      f"{tracker.holes[1] if tracker else 0}, the scheduler removes tokens "
+                                      f"[{held}, {held + removed})")
             tracker.holes = (tracker.holes[0], tracker.holes[0])
             tracker.removed_tokens += removed
-        return True
+        return tracker
+
+    def rebase_turn(self, req_state: Any) -> None:
+        """A 1-D session's turn arrived (``_update_states`` gave it the scheduler's re-based prompt and row): drop
+        the holes, and from now on shift its positions by every token removed so far (:meth:`position_offsets`),
+        checking that its next position then agrees with the scheduler's count."""
+        plan = self.turns.pop(req_state.req_id)
+        tracker = self._drop_holes(req_state.req_id, plan)
+        removed = tracker.removed_tokens if tracker is not None else 0
+        if len(req_state.prompt_token_ids) + removed != plan.next_position:
+            raise WorkerPlanError(
+                f"session {req_state.req_id}: the worker counts next position {len(req_state.prompt_token_ids)} + "
+                f"{removed} removed, the scheduler {plan.next_position}")
+
+    def position_offsets(self, input_batch: Any) -> list[tuple[int, int]]:
+        """``(batch row, tokens removed)`` of every re-based request of the persistent batch: what its positions
+        lack on a 1-D rotary model (:mod:`cords_vllm.integration.worker.positions`). Host data only."""
+        index = input_batch.req_id_to_index
+        return [(row, tracker.removed_tokens) for req_id, tracker in self.requests.items()
+                if tracker.removed_tokens and (row := index.get(req_id)) is not None]

@@ -15,6 +15,7 @@ from cords_vllm.config import KVPolicyConfig, KVPolicyConfigError
 from cords_vllm.integration.attach import Attached
 from cords_vllm.integration.worker.attention_view import physical_view
 from cords_vllm.integration.worker.compressor import WorkerCompressor
+from cords_vllm.integration.worker.positions import shift_positions
 
 _RUNNER_COMPRESSOR: Attached[WorkerCompressor | None] = Attached("model runner's compressor")
 #: An attention group's runner and that runner's compressor.
@@ -86,6 +87,16 @@ def make_init_mrope_positions(original: Callable) -> Callable:
         if comp is None or not comp.turn_positions(self, req_state):
             original(self, req_state)
     return _init_mrope_positions
+
+
+def make_prepare_inputs(original: Callable) -> Callable:
+    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens, *args, **kwargs):
+        result = original(self, scheduler_output, num_scheduled_tokens, *args, **kwargs)
+        comp = worker_compressor(self)
+        if comp is not None and not self.uses_mrope:
+            shift_positions(self.positions, self.query_start_loc.np, comp.position_offsets(self.input_batch))
+        return result
+    return _prepare_inputs
 
 
 def make_build_metadata(original: Callable) -> Callable:
