@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from cords_vllm.conversation.transcript import Markup, markup_for
+
 #: How a family's frames are found: from M-RoPE temporal positions (one label per temporal patch).
 FRAMES_FROM_MROPE = "mrope"
 #: ... or from the placeholder's layout: an input is its frames one after another, each ``tokens_per_frame``
@@ -101,13 +103,21 @@ class ModelFacts:
         return not self.hybrid
 
     @property
+    def chat_markup(self) -> Markup | None:
+        """The chat markup a stream's turns are written in (``None``: the stream API knows none for this model)."""
+        if "video" not in self.placeholder_token_ids:
+            return None
+        return markup_for(self.model_type, bool(self.vision_markers))
+
+    @property
     def streams_unsupported(self) -> str | None:
         """Why the stream API cannot serve this model (``None``: it can). A stream's turns are written in the
-        Qwen-VL chat markup, each clip as ``<|vision_start|><|video_pad|><|vision_end|>``."""
-        if not self.vision_markers or "video" not in self.placeholder_token_ids:
-            return (f"live streams write the Qwen-VL chat markup (<|vision_start|><|video_pad|><|vision_end|> per "
-                    f"clip), which this model ({self.model_type or 'unknown type'}) does not use; send its videos "
-                    "through /v1/chat/completions")
+        family's chat markup (:attr:`chat_markup`): the Qwen-VL families' ChatML or LLaVA-NeXT-Video's."""
+        if self.chat_markup is None:
+            return (f"live streams write a known family's chat markup (Qwen-VL ChatML with <|vision_start|>"
+                    f"<|video_pad|><|vision_end|> per clip, or LLaVA-NeXT-Video's USER: <video> ... ASSISTANT:), and "
+                    f"this model ({self.model_type or 'unknown type'}) has none of them or no video placeholder; send "
+                    "its videos through /v1/chat/completions")
         return None
 
     @property

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from cords_vllm.conversation.text_budget import TextBudget, TextRoomExceeded
-from cords_vllm.conversation.transcript import Transcript
+from cords_vllm.conversation.transcript import CHATML, Markup, Transcript
 from cords_vllm.integration.published import PUBLISH_INTERVAL_S, read_published
 
 #: Frames per temporal patch of the Qwen-VL video encoders: a clip holds an even number of frames.
@@ -137,6 +137,8 @@ class LiveStream:
         ``None``: no check.
     engine_index:
         The data-parallel engine holding the stream's KV (every turn is sent there); ``None``: the only one.
+    markup:
+        The served model's chat markup, the stream's turns are written in (``None``: the Qwen-VL ChatML).
     """
 
     def __init__(self, engine: Any, stream_id: str | None = None, *, extra_args: dict[str, Any] | None = None,
@@ -144,7 +146,7 @@ class LiveStream:
                  count_text: Callable[[str], int] | None = None,
                  turn_tokens: Callable[[str, np.ndarray | None, dict[str, Any] | None], tuple[int, int]] | None = None,
                  max_model_len: int | None = None, fps: float | None = None,
-                 engine_index: int | None = None) -> None:
+                 engine_index: int | None = None, markup: Markup | None = None) -> None:
         self.engine = engine
         self.engine_index = engine_index
         self.fps = float(fps or DEFAULT_FPS)
@@ -154,7 +156,7 @@ class LiveStream:
         self.created = time.time()
         self.last_active = time.monotonic()
         self.stats = StreamStats()
-        self.transcript = Transcript()
+        self.transcript = Transcript(markup or CHATML)
         self.text = text or TextBudget(None)
         self.count_text = count_text
         self.turn_tokens = turn_tokens

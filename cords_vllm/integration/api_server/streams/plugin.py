@@ -83,7 +83,7 @@ class StreamsPlugin:
                                   count_text=_text_counter(encode, facts),
                                   turn_tokens=turn_counter(encode, facts, vllm_config, _tokenizer(engine_client)),
                                   ledger=ledger)
-        registry.unsupported = facts.streams_unsupported
+        registry.unsupported, registry.markup = facts.streams_unsupported, facts.chat_markup
         setattr(state, STATE_KEY, registry)
         if count > 1:
             link = SiblingLink(index, count, metrics_dir())

@@ -21,6 +21,7 @@ from typing import Any
 
 from cords_vllm.config import REQUEST_OVERRIDES_KEY, KVPolicyConfig, KVPolicyConfigError
 from cords_vllm.conversation.text_budget import TextBudget
+from cords_vllm.conversation.transcript import Markup
 from cords_vllm.integration.api_server.streams.ledger import PoolLedger, TooManyStreams  # noqa: F401 (re-exported)
 from cords_vllm.integration.api_server.streams.live import LiveStream
 from cords_vllm.integration.api_server.streams.turn_tokens import TurnCounter
@@ -107,6 +108,8 @@ class StreamRegistry:
         self.limits = limits
         #: Why this server's model cannot stream (``POST /v1/streams`` answers 501 with it); ``None``: it can.
         self.unsupported: str | None = None
+        #: The chat markup of the served model's family, every stream's turns are written in (``None``: ChatML).
+        self.markup: Markup | None = None
         self.policy = policy or KVPolicyConfig()
         self.model_name = model_name
         self.block_size = block_size
@@ -178,7 +181,7 @@ class StreamRegistry:
         stream = LiveStream(self.engine, sid, extra_args={REQUEST_OVERRIDES_KEY: overrides} if overrides else None,
                             text=TextBudget(limit), count_text=self.count_text if limit is not None else None,
                             turn_tokens=self.turn_tokens, max_model_len=self.max_model_len,
-                            engine_index=engine if self.ledger.engines > 1 else None, **kwargs)
+                            engine_index=engine if self.ledger.engines > 1 else None, markup=self.markup, **kwargs)
         stream.footprint_blocks = footprint
         self.streams[stream.id] = stream
         self._ensure_reaper()
