@@ -153,6 +153,11 @@ class CompressionPlan:
         return self.src_blocks[: self.num_keep // self.block_size]
 
     @property
+    def freed_blocks(self) -> tuple[int, ...]:
+        """The source blocks this compression frees: the workers still read kept tokens from them in this step."""
+        return self.src_blocks[self.num_keep // self.block_size:]
+
+    @property
     def num_held(self) -> int:
         return len(self.src_blocks) * self.block_size
 

@@ -18,9 +18,34 @@ from cords_vllm.compress.plan import CompressionPlan
 PLANS_FIELD = "kv_compaction_plans"
 
 
+#: vLLM's ``SchedulerOutput`` field of the new blocks a worker zeroes before this step's plans are carried out.
+ZERO_FIELD = "new_block_ids_to_zero"
+
+
 def attach_plans(scheduler_output: Any, plans: Sequence[CompressionPlan]) -> None:
-    """Hand this step's plans to the workers with its ``SchedulerOutput``."""
+    """Hand this step's plans to the workers with its ``SchedulerOutput``, and keep vLLM from zeroing the blocks
+    they free (:func:`spare_freed_blocks`)."""
     setattr(scheduler_output, PLANS_FIELD, tuple(plans))
+    spare_freed_blocks(scheduler_output, plans)
+
+
+def spare_freed_blocks(scheduler_output: Any, plans: Sequence[Any]) -> None:
+    """Take the blocks ``plans`` free out of the step's ``new_block_ids_to_zero``.
+
+    A model with recurrent-state layers (Qwen3.5's Gated DeltaNet) shares one block pool, and one memory, between
+    its attention and state groups, so vLLM zeroes every block newly given to attention at the start of the
+    workers' ``_update_states`` (a page that held state bytes could read as NaN). A compression frees its region's
+    unkept blocks before this step's allocation, which may hand them out again at once; the workers copy the kept
+    tokens out of them only after ``_update_states``, so zeroing them first would replace those tokens with zeros.
+    They held this attention group's own keys and values, finite like any freed block's on a model without state
+    layers (where vLLM zeroes nothing), and the request given one writes before reading it: they need no zeroing.
+    """
+    to_zero = getattr(scheduler_output, ZERO_FIELD, None)
+    if not to_zero:
+        return
+    freed = {block for plan in plans if isinstance(plan, CompressionPlan) for block in plan.freed_blocks}
+    if freed:
+        setattr(scheduler_output, ZERO_FIELD, [block for block in to_zero if block not in freed] or None)
 
 
 def plans_of(scheduler_output: Any) -> tuple[CompressionPlan, ...]:

@@ -181,17 +181,17 @@ def check_attention(policy: str, model: str, sliding_window: int | None, attenti
 
     A hybrid model (Qwen3.5: Gated DeltaNet layers with fixed-size state beside full attention) runs compressed:
     only its attention group is compressed (:func:`~cords_vllm.integration.engine_facts.attention_group_index`),
-    its state groups are left alone, blocks come back. But on vLLM 0.32's CPU build its outputs do not yet equal
-    the HF reference that drops the same tokens as closely as the other families' do (log-prob gap 0.03 to 0.07,
-    against 0.006 uncompressed and 0.005 for Qwen3-VL in bf16), and the cause is not found: it stays refused by
-    default rather than serving answers nobody has checked.
+    its state groups are left alone, blocks come back, and on vLLM 0.32's CPU build its outputs equal the HF
+    reference that drops the same tokens as closely as its uncompressed outputs do. No GPU has run it yet, where
+    vLLM may also split a hybrid's large attention blocks into smaller kernel blocks: it stays behind the switch
+    until then rather than serving answers nobody has checked there.
     """
     if attention_free:
         reason = "has no attention KV cache"
     elif hybrid and os.environ.get(EXPERIMENTAL_HYBRID_ENV, "0") in ("", "0"):
         reason = ("is hybrid (attention beside Gated DeltaNet / Mamba state layers): compressing its attention layers "
-                  "runs, but its outputs are not yet checked exact against the HF reference with the same evictions "
-                  f"(see the README's model families); set {EXPERIMENTAL_HYBRID_ENV}=1 to try it anyway")
+                  "is checked exact against the HF reference with the same evictions on the CPU build only "
+                  f"(see the README's model families); set {EXPERIMENTAL_HYBRID_ENV}=1 to use it")
     elif sliding_window is not None:
         reason = (f"uses sliding-window attention (sliding_window={sliding_window}); if it can run with full "
                   "attention, add --disable-sliding-window")

@@ -11,8 +11,9 @@ and the persistent batch is condensed):
    block ids and spans) and run the pure :func:`~cords_vllm.compress.step.compress_region` on the cache's
    device.
 
-The freed blocks may be handed to another request in this very step; that is safe because the copy runs
-before this step's forward, which is the first thing that can write them.
+The freed blocks may be handed out again in this very step; that is safe because the copy runs before this
+step's forward, which is the first thing that writes them, and because the scheduler takes them out of the blocks
+vLLM zeroes at the start of ``_update_states`` on a hybrid model (:func:`~cords_vllm.integration.plans.attach_plans`).
 
 Each compressed request has one :class:`~cords_vllm.integration.worker.tracker.WorkerRequest`, dropped when it
 finishes, is preempted (it recomputes from scratch) or resumes after a preemption.
