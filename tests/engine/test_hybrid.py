@@ -1,5 +1,6 @@
 """The hybrid Qwen3.5 (three Gated DeltaNet layers to one full-attention layer, bf16: the CPU build's only dtype
-for it): refused under a policy by default, compressible with ``CORDS_VLLM_EXPERIMENTAL_HYBRID=1``.
+for it): served compressed on the CPU build, where it is checked here; refused under a policy elsewhere (a GPU)
+unless ``CORDS_VLLM_EXPERIMENTAL_HYBRID=1``.
 
 Only the attention group is compressed (anchors count attention layers, the state groups are left alone), every
 block comes back, and the outputs equal the fp32 HF reference that drops the same tokens as closely as the
@@ -17,7 +18,7 @@ import torch
 
 from cords_vllm.config import KVPolicyConfigError
 from cords_vllm.integration import plans
-from cords_vllm.integration.startup.checks import EXPERIMENTAL_HYBRID_ENV
+from cords_vllm.integration.startup.checks import EXPERIMENTAL_HYBRID_ENV, check_attention
 from cords_vllm.lab.synthetic import TinyModelSpec, build_tiny_model
 from tests.engine.conftest import VIDEO_PROMPT, assert_exact_with_control, run_engine, video
 from tests.engine.test_families import clip
@@ -41,12 +42,16 @@ def _prompt():
     return {"prompt": VIDEO_PROMPT, "multi_modal_data": {"video": clip(video(48))}}
 
 
-def test_a_hybrid_model_is_refused_by_default(hybrid_model, monkeypatch):
-    monkeypatch.delenv(EXPERIMENTAL_HYBRID_ENV, raising=False)
-    with pytest.raises(KVPolicyConfigError, match=EXPERIMENTAL_HYBRID_ENV):
-        run_engine(hybrid_model, [_prompt()], "cords", engine_kwargs=BF16, budget=256, slack=64)
-    plain = run_engine(hybrid_model, [_prompt()], "none", max_tokens=2, engine_kwargs=BF16)
-    assert len(plain.token_ids[0]) == 2  # --kv-policy none serves it
+def test_a_hybrid_model_is_refused_where_it_is_not_checked():
+    """Checked exact on vLLM's CPU build (the tests below, no switch set); elsewhere (a GPU) refused unless the
+    switch is set."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv(EXPERIMENTAL_HYBRID_ENV, raising=False)
+        with pytest.raises(KVPolicyConfigError, match=EXPERIMENTAL_HYBRID_ENV):
+            check_attention("cords", "tiny-qwen3.5", None, False, hybrid=True, hybrid_checked=False)
+        check_attention("cords", "tiny-qwen3.5", None, False, hybrid=True, hybrid_checked=True)
+        mp.setenv(EXPERIMENTAL_HYBRID_ENV, "1")
+        check_attention("cords", "tiny-qwen3.5", None, False, hybrid=True, hybrid_checked=False)
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +67,7 @@ def hybrid_run(hybrid_model):
         spared.extend(b for b in before if b not in after)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(EXPERIMENTAL_HYBRID_ENV, "1")
+        mp.delenv(EXPERIMENTAL_HYBRID_ENV, raising=False)  # on vLLM's CPU build a hybrid is served compressed
         mp.setattr(plans, "spare_freed_blocks", recording)
         run = run_engine(hybrid_model, [_prompt()], "cords", max_tokens=4, engine_kwargs=BF16, budget=256, slack=64)
     run.spared = spared
@@ -70,11 +75,10 @@ def hybrid_run(hybrid_model):
     return run
 
 
-def test_only_the_attention_group_is_compressed_and_every_block_returns(hybrid_run, hybrid_model, monkeypatch):
+def test_only_the_attention_group_is_compressed_and_every_block_returns(hybrid_run, hybrid_model):
     assert len(hybrid_run.events) >= 2
     assert all(len(e.kept_logical) == 1 for e in hybrid_run.events), "one attention layer: one kept set"
     assert hybrid_run.free_blocks_after == hybrid_run.free_blocks_before
-    monkeypatch.setenv(EXPERIMENTAL_HYBRID_ENV, "1")
     with pytest.raises(KVPolicyConfigError, match="anchors"):  # anchors index attention layers: only 0 exists
         run_engine(hybrid_model, [_prompt()], "cords", engine_kwargs=BF16, budget=256, slack=64, anchors=[1])
 
@@ -93,7 +97,6 @@ def test_zeroing_the_freed_blocks_first_loses_kept_tokens(hybrid_model, monkeypa
     from cords_vllm.lab.reference.hf import HFReference
     from tests.engine.conftest import logprob_gap
 
-    monkeypatch.setenv(EXPERIMENTAL_HYBRID_ENV, "1")
     monkeypatch.setattr(plans, "spare_freed_blocks", lambda output, step_plans: None)
     run = run_engine(hybrid_model, [_prompt()], "cords", max_tokens=4, engine_kwargs=BF16, budget=256, slack=64)
     reference = HFReference(build_tiny_model(TinyModelSpec(family="qwen3_5", dtype="bfloat16")), dtype=torch.float32)

@@ -129,7 +129,8 @@ def check_engine(policy: KVPolicyConfig, facts: EngineFacts) -> None:
     """
     if not policy.enabled:
         return
-    check_attention(policy.policy, facts.model, facts.sliding_window, facts.attention_free, facts.hybrid)
+    check_attention(policy.policy, facts.model, facts.sliding_window, facts.attention_free, facts.hybrid,
+                    hybrid_checked=_on_cpu())
     policy.check_model(facts.num_layers)  # anchors
     check_budget(policy.budget, policy.slack, facts.max_model_len)
     check_granularity(policy.granularity, facts.uses_mrope, facts.model)
@@ -170,28 +171,38 @@ def check_engine_settings(policy: str, ubatching: str | None, runner_v2: str | N
                                   "or serve with --kv-policy none")
 
 
-#: Set to ``1`` to compress a hybrid model's attention layers anyway (experimental: see :func:`check_attention`).
+def _on_cpu() -> bool:
+    """Whether the engine runs on vLLM's CPU build (where a compressed hybrid is checked exact)."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+#: Set to ``1`` to compress a hybrid model's attention layers on a GPU anyway (experimental: see
+#: :func:`check_attention`).
 EXPERIMENTAL_HYBRID_ENV = "CORDS_VLLM_EXPERIMENTAL_HYBRID"
 
 
 def check_attention(policy: str, model: str, sliding_window: int | None, attention_free: bool,
-                    hybrid: bool = False) -> None:
+                    hybrid: bool = False, hybrid_checked: bool = False) -> None:
     """The policy compresses one full-attention KV cache: refuse sliding-window and attention-free models, and
-    hybrid ones unless :data:`EXPERIMENTAL_HYBRID_ENV` is set.
+    hybrid ones where they are not checked (``hybrid_checked``: vLLM's CPU build) unless
+    :data:`EXPERIMENTAL_HYBRID_ENV` is set.
 
     A hybrid model (Qwen3.5: Gated DeltaNet layers with fixed-size state beside full attention) runs compressed:
     only its attention group is compressed (:func:`~cords_vllm.integration.engine_facts.attention_group_index`),
     its state groups are left alone, blocks come back, and on vLLM 0.32's CPU build its outputs equal the HF
     reference that drops the same tokens as closely as its uncompressed outputs do. No GPU has run it yet, where
-    vLLM may also split a hybrid's large attention blocks into smaller kernel blocks: it stays behind the switch
-    until then rather than serving answers nobody has checked there.
+    vLLM may also split a hybrid's large attention blocks into smaller kernel blocks: there it stays behind the
+    switch until then rather than serving answers nobody has checked.
     """
     if attention_free:
         reason = "has no attention KV cache"
-    elif hybrid and os.environ.get(EXPERIMENTAL_HYBRID_ENV, "0") in ("", "0"):
+    elif hybrid and not hybrid_checked and os.environ.get(EXPERIMENTAL_HYBRID_ENV, "0") in ("", "0"):
         reason = ("is hybrid (attention beside Gated DeltaNet / Mamba state layers): compressing its attention layers "
-                  "is checked exact against the HF reference with the same evictions on the CPU build only "
-                  f"(see the README's model families); set {EXPERIMENTAL_HYBRID_ENV}=1 to use it")
+                  "is checked exact against the HF reference with the same evictions on vLLM's CPU build only, not "
+                  "yet on a GPU, where vLLM may split its attention blocks into smaller kernel blocks (see the "
+                  f"README's model families); set {EXPERIMENTAL_HYBRID_ENV}=1 to use it")
     elif sliding_window is not None:
         reason = (f"uses sliding-window attention (sliding_window={sliding_window}); if it can run with full "
                   "attention, add --disable-sliding-window")
