@@ -43,6 +43,20 @@ def env(**values: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
+def one_shot(llm, prompt: str) -> dict:
+    """One greedy request of a 48-frame noise video: its tokens, top-20 log-probs, and the free blocks before
+    and after."""
+    from vllm import SamplingParams
+
+    free = snapshot(llm).free_blocks
+    request = {"prompt": prompt, "multi_modal_data": {"video": noise_video(48, seed=0)}}
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=20)
+    out = llm.generate([request], params, use_tqdm=False)[0].outputs[0]
+    return {"tokens": list(out.token_ids),
+            "logprobs": [{t: lp.logprob for t, lp in step.items()} for step in out.logprobs],
+            "free_before": free, "free_after": snapshot(llm).free_blocks}
+
+
 def live_session(llm, kept: Callable, name: str) -> dict:
     """A live stream of :data:`CLIPS` noise clips with a question after the second and the last, then closed: the
     answers, the session's compressions (``kept(llm)``'s entries of its request) and the free blocks after closing."""

@@ -25,10 +25,10 @@ import pytest
 import torch
 
 from cords_vllm.config import KVPolicyConfigError, kv_policy_args
-from cords_vllm.integration.inprocess.introspect import snapshot, worker_snapshots
+from cords_vllm.integration.inprocess.introspect import worker_snapshots
 from cords_vllm.integration.inprocess.llm import make_llm
 from tests.engine.conftest import BLOCK, CHUNK, VIDEO_PROMPT
-from tests.engine.parallel_runs import CLIPS, CORES, bind_one_per_core, env, live_session, noise_video
+from tests.engine.parallel_runs import CLIPS, CORES, bind_one_per_core, env, live_session, one_shot
 
 pytestmark = [pytest.mark.engine,
               pytest.mark.skipif(len(CORES) < 2, reason="pipeline parallelism on CPU needs two cores (one stage each)")]
@@ -61,7 +61,6 @@ def _kept(llm) -> list[tuple[str, int, list[torch.Tensor]]]:
 
 def _run(model: str, stages: int, policy: dict | None, with_session: bool = False,
          environment: dict | None = None) -> dict:
-    from vllm import SamplingParams
 
     kwargs = {"block_size": BLOCK, "max_num_batched_tokens": 4096, "max_num_scheduled_tokens": CHUNK,
               "limit_mm_per_prompt": {"image": 0, "video": CLIPS}}
@@ -74,14 +73,8 @@ def _run(model: str, stages: int, policy: dict | None, with_session: bool = Fals
     with env(**environment):
         llm = make_llm(model, **kwargs)
         try:
-            free = snapshot(llm).free_blocks
-            prompt = {"prompt": VIDEO_PROMPT, "multi_modal_data": {"video": noise_video(48, seed=0)}}
-            params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=20)
-            out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
-            result = {"tokens": list(out.token_ids),
-                      "logprobs": [{t: lp.logprob for t, lp in step.items()} for step in out.logprobs],
-                      "kept": _kept(llm) if policy is not None else [], "stages": len(worker_snapshots(llm)),
-                      "free_before": free, "free_after": snapshot(llm).free_blocks}
+            result = {**one_shot(llm, VIDEO_PROMPT), "kept": _kept(llm) if policy is not None else [],
+                      "stages": len(worker_snapshots(llm))}
             if with_session:
                 result["session"] = live_session(llm, _kept, "camera-pp")
             return result

@@ -24,10 +24,10 @@ import pytest
 import torch
 
 from cords_vllm.config import kv_policy_args
-from cords_vllm.integration.inprocess.introspect import snapshot, worker_snapshots
+from cords_vllm.integration.inprocess.introspect import worker_snapshots
 from cords_vllm.integration.inprocess.llm import make_llm
 from tests.engine.conftest import BLOCK, CHUNK, VIDEO_PROMPT
-from tests.engine.parallel_runs import CLIPS, CORES, bind_one_per_core, env, live_session, noise_video
+from tests.engine.parallel_runs import CLIPS, CORES, bind_one_per_core, env, live_session, one_shot
 
 pytestmark = [pytest.mark.engine,
               pytest.mark.skipif(len(CORES) < 2, reason="tensor parallelism on CPU needs two cores (one rank each)")]
@@ -56,7 +56,6 @@ def _kept(llm) -> list[tuple[str, int, list[torch.Tensor]]]:
 
 
 def _run(model: str, tp: int, config: dict, with_session: bool) -> dict:
-    from vllm import SamplingParams
 
     kwargs = {"block_size": BLOCK, "max_num_batched_tokens": 4096, "max_num_scheduled_tokens": CHUNK,
               "limit_mm_per_prompt": {"image": 0, "video": CLIPS},
@@ -68,13 +67,7 @@ def _run(model: str, tp: int, config: dict, with_session: bool) -> dict:
     with env(**binding):
         llm = make_llm(model, **kwargs)
         try:
-            free = snapshot(llm).free_blocks
-            prompt = {"prompt": VIDEO_PROMPT, "multi_modal_data": {"video": noise_video(48, seed=0)}}
-            params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=20)
-            out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
-            result = {"tokens": list(out.token_ids),
-                      "logprobs": [{t: lp.logprob for t, lp in step.items()} for step in out.logprobs],
-                      "kept": _kept(llm), "free_before": free, "free_after": snapshot(llm).free_blocks}
+            result = {**one_shot(llm, VIDEO_PROMPT), "kept": _kept(llm)}
             if with_session:
                 result["session"] = live_session(llm, _kept, "camera-tp")
         finally:

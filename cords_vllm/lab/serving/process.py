@@ -60,23 +60,26 @@ def server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-class VLLMServer:
-    """A ``vllm serve MODEL ARGS...`` subprocess bound to 127.0.0.1 on a free port.
+class LoopbackProcess:
+    """A command serving HTTP on a free port of 127.0.0.1, in its own session (process group); a context manager.
 
-    Use as a context manager; the log (stdout and stderr) goes to a temporary file, whose tail is shown
-    when the server fails to start.
+    :meth:`start` waits until ``GET /health`` answers 200 (the process's log tail in the error when it exits or
+    times out first); :meth:`stop` sends SIGTERM by PID and SIGKILLs the group if it lingers. The log (stdout and
+    stderr) outlives both, so a failure can show its tail. Subclasses give :meth:`command` and ``name``.
     """
 
-    def __init__(self, model: str | os.PathLike, args: Sequence[str] = (), *, port: int | None = None,
-                 env: dict[str, str] | None = None, startup_timeout: float = 300.0) -> None:
-        self.model = str(model)
-        self.args = list(args)
+    name = "process"
+    log_prefix = "loopback-"
+
+    def __init__(self, *, port: int | None = None, env: dict[str, str] | None = None,
+                 startup_timeout: float = 300.0, poll_s: float = 0.5) -> None:
         self.port = port or free_port()
-        self.env = server_env(env)
+        self.env = env if env is not None else dict(os.environ)
         self.startup_timeout = startup_timeout
+        self.poll_s = poll_s
         self.proc: subprocess.Popen | None = None
-        # The log outlives start()/stop() so a failure can show its tail: closed in __del__ by the GC.
-        self._log = tempfile.NamedTemporaryFile(prefix="vllm-serve-", suffix=".log", delete=False)  # noqa: SIM115
+        # closed in __del__ by the GC
+        self._log = tempfile.NamedTemporaryFile(prefix=self.log_prefix, suffix=".log", delete=False)  # noqa: SIM115
 
     @property
     def base_url(self) -> str:
@@ -87,49 +90,38 @@ class VLLMServer:
         return self._log.name
 
     def command(self) -> list[str]:
-        return [vllm_executable(), "serve", self.model, "--host", "127.0.0.1", "--port", str(self.port),
-                *self.args]
+        raise NotImplementedError
 
-    def start(self) -> VLLMServer:
+    def start(self) -> LoopbackProcess:
         self.proc = subprocess.Popen(self.command(), env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with {self.proc.returncode} during start-up:\n"
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode} during start-up:\n"
                                    f"{self.log_tail()}")
             with contextlib.suppress(OSError):
                 if self.get("/health", timeout=2.0)[0] == 200:
                     return self
-            time.sleep(0.5)
+            time.sleep(self.poll_s)
         self.stop()
-        raise TimeoutError(f"vllm serve did not become healthy in {self.startup_timeout:.0f}s:\n"
-                           f"{self.log_tail()}")
+        raise TimeoutError(f"{self.name} did not become healthy in {self.startup_timeout:.0f}s:\n{self.log_tail()}")
 
     def stop(self, timeout: float = 60.0) -> int | None:
-        """SIGTERM the server by PID, wait, and make sure no process of its group is left."""
+        """SIGTERM the process by PID and wait (SIGKILL its group after ``timeout``)."""
         if self.proc is None:
             return None
-        pgid = self.proc.pid
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pgid, signal.SIGKILL)
+                    os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(timeout=10)
-        # Children that outlive the server would keep memory and cores: end the whole group.
-        deadline = time.monotonic() + 15
-        while group_alive(pgid) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        if group_alive(pgid):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pgid, signal.SIGKILL)
-            raise RuntimeError(f"vllm serve (pid {pgid}) left child processes behind; killed them")
         return self.proc.returncode
 
-    def __enter__(self) -> VLLMServer:
+    def __enter__(self):
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -146,6 +138,47 @@ class VLLMServer:
                 return r.status, r.read().decode()
         except urllib.error.HTTPError as e:
             return e.code, e.read().decode()
+
+
+class VLLMServer(LoopbackProcess):
+    """A ``vllm serve MODEL ARGS...`` subprocess bound to 127.0.0.1 on a free port.
+
+    Use as a context manager; the log (stdout and stderr) goes to a temporary file, whose tail is shown
+    when the server fails to start.
+    """
+
+    name = "vllm serve"
+    log_prefix = "vllm-serve-"
+
+    def __init__(self, model: str | os.PathLike, args: Sequence[str] = (), *, port: int | None = None,
+                 env: dict[str, str] | None = None, startup_timeout: float = 300.0) -> None:
+        super().__init__(port=port, env=server_env(env), startup_timeout=startup_timeout)
+        self.model = str(model)
+        self.args = list(args)
+
+    def command(self) -> list[str]:
+        return [vllm_executable(), "serve", self.model, "--host", "127.0.0.1", "--port", str(self.port),
+                *self.args]
+
+    def start(self) -> VLLMServer:
+        super().start()
+        return self
+
+    def stop(self, timeout: float = 60.0) -> int | None:
+        """SIGTERM the server by PID, wait, and make sure no process of its group is left."""
+        if self.proc is None:
+            return None
+        pgid = self.proc.pid
+        status = super().stop(timeout)
+        # Children that outlive the server would keep memory and cores: end the whole group.
+        deadline = time.monotonic() + 15
+        while group_alive(pgid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if group_alive(pgid):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
+            raise RuntimeError(f"vllm serve (pid {pgid}) left child processes behind; killed them")
+        return status
 
     def post_json(self, path: str, body: dict[str, Any], timeout: float = 600.0) -> tuple[int, dict]:
         req = urllib.request.Request(self.base_url + path, data=json.dumps(body).encode(),

@@ -7,20 +7,13 @@ routers can run at once.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import signal
-import subprocess
 import sys
-import tempfile
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
-from cords_vllm.lab.serving.process import free_port
+from cords_vllm.lab.serving.process import LoopbackProcess, free_port
 
 
 def router_executable() -> str | None:
@@ -31,28 +24,23 @@ def router_executable() -> str | None:
     return shutil.which("vllm-router")
 
 
-class VLLMRouter:
+class VLLMRouter(LoopbackProcess):
     """``vllm-router --worker-urls URL... --policy POLICY`` on a free port of 127.0.0.1; a context manager.
 
     ``api_key`` is the key the router sends to the workers (vLLM's ``--api-key``); the router itself checks none.
     """
 
+    name = "vllm-router"
+    log_prefix = "vllm-router-"
+
     def __init__(self, worker_urls: Sequence[str], policy: str = "sticky_least_loaded", *,
                  api_key: str | None = None, args: Sequence[str] = (), env: dict[str, str] | None = None,
                  startup_timeout: float = 60.0) -> None:
+        super().__init__(env={**os.environ, **(env or {})}, startup_timeout=startup_timeout, poll_s=0.2)
         self.worker_urls = list(worker_urls)
         self.policy = policy
         self.api_key = api_key
         self.args = list(args)
-        self.env = {**os.environ, **(env or {})}
-        self.port = free_port()
-        self.startup_timeout = startup_timeout
-        self.proc: subprocess.Popen | None = None
-        self._log = tempfile.NamedTemporaryFile(prefix="vllm-router-", suffix=".log", delete=False)  # noqa: SIM115
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
         exe = router_executable()
@@ -66,42 +54,11 @@ class VLLMRouter:
         return cmd + self.args
 
     def start(self) -> VLLMRouter:
-        self.proc = subprocess.Popen(self.command(), env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
-        deadline = time.monotonic() + self.startup_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm-router exited with {self.proc.returncode}:\n{self.log_tail()}")
-            with contextlib.suppress(OSError), urllib.request.urlopen(self.base_url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return self
-            time.sleep(0.2)
-        self.stop()
-        raise TimeoutError(f"vllm-router did not become healthy in {self.startup_timeout:.0f}s:\n{self.log_tail()}")
+        super().start()
+        return self
 
     def stop(self, timeout: float = 20.0) -> int | None:
-        """SIGTERM the router by PID (SIGKILL its group if it lingers)."""
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
-        return self.proc.returncode
-
-    def __enter__(self) -> VLLMRouter:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def log_tail(self, lines: int = 40) -> str:
-        self._log.flush()
-        return "\n".join(Path(self._log.name).read_text(errors="replace").splitlines()[-lines:])
+        return super().stop(timeout)
 
     def log_text(self) -> str:
         """The whole log, ANSI colours removed (the router logs each session it places)."""
