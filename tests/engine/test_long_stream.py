@@ -177,6 +177,7 @@ def _next_position(llm, req_id):
     return scheduler_hooks(scheduler_of(llm)).compressor.trackers[req_id].next_position
 
 
+@pytest.mark.slow  # the same limit over HTTP, in the default suite: tests/streams/test_stream_limits.py
 def test_a_stream_passes_its_rotary_range_in_tokens_answers_and_ends_at_its_position_range(short_range_model):
     """A 4-frame clip is 130 tokens but 10 positions: a stream passes max_position_embeddings (1024) in tokens
     and keeps answering; the turn whose positions would pass the range ends it alone, with the reason."""

@@ -22,6 +22,7 @@ def test_demo_trained_model_answers_right_under_cords(capsys):
     assert "server stopped" in out and "peak KV blocks" in out
 
 
+@pytest.mark.slow  # the trained model's run above serves and compresses too
 def test_demo_random_model_serves_and_compresses(tiny_model, capsys):
     args = demo.parse_args(["--model", "random", "--requests", "2", "--frames", "16", "--budget", "128",
                             "--max-tokens", "3", "--policies", "cords"])

@@ -52,6 +52,7 @@ def test_compare_policies_on_video_files(tmp_path):
 
 
 @pytest.mark.server
+@pytest.mark.slow  # the same client path: tests/engine/test_server_images.py, the demo
 def test_openai_client_sends_data_url_and_file(tiny_model, tmp_path, capsys):
     import openai_client_video
 
