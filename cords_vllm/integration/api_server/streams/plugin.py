@@ -75,10 +75,11 @@ class StreamsPlugin:
         limits = limits_from_args(args)
         pool_blocks = num_blocks - 1 if num_blocks else None  # block 0 is the null block
         index, count, engines = api_server_place(engine_client)
+        shared_dir = metrics_dir()  # private to this server's processes, inherited by each API server
         ledger = PoolLedger(engines=engines, pool_blocks=pool_blocks, max_streams=limits.max_streams,
-                            directory=metrics_dir(), index=index, count=count)
+                            directory=shared_dir, index=index, count=count)
         registry = StreamRegistry(engine_client, limits, policy=policy, model_name=model,
-                                  block_size=vllm_config.cache_config.block_size, pool_blocks=pool_blocks,
+                                  block_size=vllm_config.cache_config.block_size,
                                   max_model_len=vllm_config.model_config.max_model_len,
                                   count_text=_text_counter(encode, facts),
                                   turn_tokens=turn_counter(encode, facts, vllm_config, _tokenizer(engine_client)),
@@ -86,7 +87,7 @@ class StreamsPlugin:
         registry.unsupported, registry.markup = facts.streams_unsupported, facts.chat_markup
         setattr(state, STATE_KEY, registry)
         if count > 1:
-            link = SiblingLink(index, count, metrics_dir())
+            link = SiblingLink(index, count, shared_dir)
             await link.start(_app_of(state))
             setattr(state, LINK_KEY, link)
         if registry.unsupported is not None:

@@ -113,13 +113,13 @@ class StreamRegistry:
         self.policy = policy or KVPolicyConfig()
         self.model_name = model_name
         self.block_size = block_size
-        self.pool_blocks = pool_blocks
         self.max_model_len = max_model_len
         self.count_text = count_text
         #: ``(prompt text, clip or None, clip metadata or None) -> (tokens, video tokens)`` of a turn as the engine
         #: counts them (``None``: unknown; :mod:`.turn_tokens`).
         self.turn_tokens = turn_tokens
-        #: Commitments of every API server's streams on every engine's pool (a private one: this server alone).
+        #: Commitments of every API server's streams on every engine's pool (``pool_blocks`` each); without one, a
+        #: private ledger of one engine's pool for this server alone.
         self.ledger = ledger or PoolLedger(pool_blocks=pool_blocks, max_streams=limits.max_streams)
         self.streams: dict[str, LiveStream] = {}
         self.expired = 0
@@ -140,6 +140,15 @@ class StreamRegistry:
             return None
         return self.policy.narrowed(overrides).text_limit(self.max_model_len)
 
+    @property
+    def pool_blocks(self) -> int | None:
+        """Usable blocks of one engine's KV pool (``None``: unknown), as the ledger admits against."""
+        return self.ledger.pool_blocks
+
+    def _ended_here(self) -> int:
+        """This server's ended streams, still listed: they take a place under the cap but commit no blocks."""
+        return sum(1 for s in self.streams.values() if s.ended)
+
     def _sync_ledger(self) -> None:
         """Ended and closed streams leave the ledger (their blocks are back, or soon will be)."""
         self.ledger.sync(sid for sid, s in self.streams.items() if not s.ended)
@@ -157,8 +166,7 @@ class StreamRegistry:
         commitments = self.ledger.commitments()
         committed = self.ledger.committed_per_engine(commitments)
         engines = self.ledger.engines
-        ended_here = sum(1 for s in self.streams.values() if s.ended)
-        open_streams = len(commitments) + ended_here
+        open_streams = len(commitments) + self._ended_here()
         cap = self.limits.max_streams
         if self.pool_blocks:
             by_pool = engines * (self.pool_blocks // footprint)
@@ -176,7 +184,7 @@ class StreamRegistry:
         self._sync_ledger()
         footprint = self.footprint_blocks(overrides)
         sid = stream_id(self.ledger.index)
-        engine = self.ledger.admit(sid, footprint, local_open=sum(1 for s in self.streams.values() if s.ended))
+        engine = self.ledger.admit(sid, footprint, local_open=self._ended_here())
         limit = self.text_limit(overrides)
         stream = LiveStream(self.engine, sid, extra_args={REQUEST_OVERRIDES_KEY: overrides} if overrides else None,
                             text=TextBudget(limit), count_text=self.count_text if limit is not None else None,
