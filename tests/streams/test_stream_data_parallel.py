@@ -27,6 +27,7 @@ from cords_vllm.lab.bench.http import scrape
 from cords_vllm.lab.serving.process import VLLMServer
 from cords_vllm.lab.synthetic import make_video
 from cords_vllm.lab.vqa import shipped_checkpoint
+from tests.streams.test_stream_api import pool_empty, wait_until
 
 CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
 
@@ -57,10 +58,8 @@ def _capacity(client: StreamClient) -> dict:
 
 
 def _wait_blocks_back(server: VLLMServer) -> None:
-    deadline = time.monotonic() + 30  # vLLM's usage gauge follows each engine's next stats
-    while scrape(server.base_url).get("vllm:kv_cache_usage_perc", 1.0) != 0.0:
-        assert time.monotonic() < deadline, "blocks were not returned to the pools"
-        time.sleep(0.3)
+    # vLLM's usage gauge follows each engine's next stats
+    assert wait_until(lambda: pool_empty(server), timeout=30), "blocks were not returned to the pools"
 
 
 def _engines_in_use(server: VLLMServer) -> set[str]:
