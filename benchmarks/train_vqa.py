@@ -109,6 +109,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="stream-shaped examples per step besides --batch (cords_vllm.lab.vqa.stream_task): several "
                         "marks, the latest asked about, older clips partly held, position gaps; 0: off")
     g.add_argument("--stream-size", type=int, default=112, help="frame side of the stream examples")
+    g.add_argument("--stream-hard", type=float, default=0.0,
+                   help="share of stream examples drawn in the hard case: a mark of the other kind came after the "
+                        "answer (StreamExample.other_kind_newer), as when the stream is asked about minutes ago "
+                        "seconds after another event")
     g.add_argument("--stream-monitor", type=int, default=64, help="stream examples of the monitor split")
     g.add_argument("--stream-heldout", type=int, default=256, help="stream examples of the held-out split")
     g = p.add_argument_group("optimisation")
@@ -299,15 +303,30 @@ def monitor_score(model: Any, encoder: HFEncoder, examples: Sequence[VQAExample]
 
 def evaluate_stream(model: Any, encoder: StreamEncoder, examples: Sequence[StreamExample]) -> float:
     """HF accuracy of ``model`` on stream examples (eval mode, then back)."""
+    return float(np.mean(stream_correct(model, encoder, examples))) if examples else 0.0
+
+
+def stream_correct(model: Any, encoder: StreamEncoder, examples: Sequence[StreamExample]) -> list[bool]:
+    """Per example, whether ``model``'s greedy answer is right (eval mode, then back)."""
     was_training = model.training
     model.eval()
-    right = 0
+    right: list[bool] = []
     with torch.no_grad():
         for i in range(0, len(examples), 16):
             batch = encoder.encode(model, examples[i:i + 16])
-            right += int((stream_logits(model, batch).argmax(-1) == batch.answer_ids).sum())
+            right += (stream_logits(model, batch).argmax(-1) == batch.answer_ids).tolist()
     model.train(was_training)
-    return right / max(1, len(examples))
+    return right
+
+
+def stream_report(model: Any, encoder: StreamEncoder, examples: Sequence[StreamExample]) -> dict[str, Any]:
+    """Held-out stream accuracy, overall and split by :attr:`StreamExample.other_kind_newer` (the hard case)."""
+    right = stream_correct(model, encoder, examples)
+    report: dict[str, Any] = {"examples": len(examples), "accuracy": float(np.mean(right))}
+    for name, hard in (("latest_mark_asked", False), ("other_kind_newer", True)):
+        sub = [r for r, e in zip(right, examples, strict=True) if e.other_kind_newer == hard]
+        report[name] = {"examples": len(sub), "accuracy": float(np.mean(sub)) if sub else None}
+    return report
 
 
 def data_description(families: Sequence[Family], geometry: VideoGeometry, args: argparse.Namespace
@@ -485,7 +504,8 @@ def train(args: argparse.Namespace) -> None:
     stages = make_stages(args, families)
     shapes = input_shapes(args)
     streams = StreamEncoder(processor.tokenizer) if args.stream_batch else None
-    stream_monitor = stream_split(args.stream_monitor, "monitor", size=args.stream_size) if streams else []
+    stream_monitor = (stream_split(args.stream_monitor, "monitor", size=args.stream_size, hard=args.stream_hard)
+                      if streams else [])
     producer = BatchProducer(stages, encoder, batch=args.batch, seed=args.seed, size=args.size,
                              inputs=[x for x in args.inputs.split(",") if x])
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.98))
@@ -516,7 +536,7 @@ def train(args: argparse.Namespace) -> None:
             loss = F.cross_entropy(logits, batch.answer_ids)
             if streams is not None:
                 examples = [make_stream_example(step * args.stream_batch + j, size=args.stream_size,
-                                                seed=STREAM_SPLIT_SEEDS["train"] + args.seed)
+                                                seed=STREAM_SPLIT_SEEDS["train"] + args.seed, hard=args.stream_hard)
                             for j in range(args.stream_batch)]
                 stream_batch = streams.encode(model, examples)
                 loss = loss + F.cross_entropy(stream_logits(model, stream_batch).float(), stream_batch.answer_ids)
@@ -598,13 +618,13 @@ def train(args: argparse.Namespace) -> None:
         record["training"]["continued_from"] = {k: earlier.get(k) for k in ("config", "training")}
     if streams is not None:
         record["data"]["stream"] = {
-            "generator": "cords_vllm.lab.vqa.stream_task.make_stream_example(index, seed=seed, size=size)",
-            "size": args.stream_size, "train_seed": STREAM_SPLIT_SEEDS["train"] + args.seed,
+            "generator": "cords_vllm.lab.vqa.stream_task.make_stream_example(index, seed=seed, size=size, "
+                         "hard=hard)",
+            "size": args.stream_size, "hard": args.stream_hard, "train_seed": STREAM_SPLIT_SEEDS["train"] + args.seed,
             "splits": {k: f"seed={v}" for k, v in STREAM_SPLIT_SEEDS.items() if k != "train"},
             "questions": "the latest square or dot of 1-4 marks in 4-14 held clips of 8 frames"}
         heldout = stream_split(args.stream_heldout, "heldout", size=args.stream_size)
-        record.setdefault("results", {})["hf_stream_heldout"] = {
-            "examples": len(heldout), "accuracy": evaluate_stream(model, streams, heldout)}
+        record.setdefault("results", {})["hf_stream_heldout"] = stream_report(model, streams, heldout)
         print(f"stream held-out accuracy (HF): {record['results']['hf_stream_heldout']}", flush=True)
     (ckpt / TRAINING_RECORD).write_text(json.dumps(record, indent=1) + "\n")
     measure(ckpt, families, args, record)

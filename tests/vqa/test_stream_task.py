@@ -48,6 +48,21 @@ def test_answer_is_the_latest_mark_of_the_kind_asked() -> None:
     assert any(sum(m.kind == e.kind for _, m in e.marks) > 1 for e in examples)  # distractors of the same kind
 
 
+def test_hard_examples_ask_the_kind_whose_latest_mark_is_not_the_latest() -> None:
+    """``hard=1``: both kinds shown, a mark of the other kind after the answer, read back from the pixels;
+    ``hard=0`` is the default split, example for example."""
+    for e in stream_split(24, "monitor", size=56, clips=(2, 6), hard=1.0):
+        seen = [_marks_seen(clip) for clip in e.clips]
+        latest_of_kind = max(i for i, m in enumerate(seen) if e.kind in m)
+        assert seen[latest_of_kind][e.kind] == e.answer
+        assert any(m and e.kind not in m for m in seen[latest_of_kind + 1:])
+        assert e.other_kind_newer
+    plain, zero = stream_split(24, "monitor", size=56), stream_split(24, "monitor", size=56, hard=0.0)
+    assert all(a.answer == b.answer and np.array_equal(a.clips, b.clips) for a, b in zip(plain, zero, strict=True))
+    assert not all(e.other_kind_newer for e in plain)  # the default mix has both cases
+    assert any(e.other_kind_newer for e in plain)
+
+
 def test_examples_are_deterministic_and_splits_differ() -> None:
     a, b = make_stream_example(3, seed=11, size=56), make_stream_example(3, seed=11, size=56)
     assert np.array_equal(a.clips, b.clips) and a.gaps == b.gaps and a.answer == b.answer

@@ -100,10 +100,16 @@ class StreamExample:
     def geometry(self) -> VideoGeometry:
         return VideoGeometry(num_frames=self.clips.shape[1], size=self.clips.shape[2])
 
+    @property
+    def other_kind_newer(self) -> bool:
+        """Whether a mark of the other kind came after the answer (the hard case: naming the latest mark of any
+        kind is wrong, as for a question about minutes ago asked seconds after another event)."""
+        return self.marks[-1][1].kind != self.kind
+
 
 def make_stream_example(index: int, *, seed: int, size: int = 112, clip_frames: int = 8,
                         clips: tuple[int, int] = (4, 14), recent_clips: int = 2, min_gap: int = 50,
-                        max_gap: int = 4000
+                        max_gap: int = 4000, hard: float = 0.0
                         ) -> StreamExample:
     """Stream example ``index`` of split ``seed`` (deterministic).
 
@@ -112,14 +118,21 @@ def make_stream_example(index: int, *, seed: int, size: int = 112, clip_frames: 
     the clip before them (evicted clips); the first held clip starts up to ``4 * max_gap`` positions in.
     One to four marks of distinct colours in distinct clips: up to
     three squares and two dots; the question asks about a kind present, its answer is that kind's latest mark.
+    With probability ``hard`` (drawn from its own generator, so ``hard=0`` draws the same examples as before it
+    existed) the example is :attr:`StreamExample.other_kind_newer`: both kinds are shown and the kind asked is
+    the one whose latest mark is not the latest mark.
     """
     rng = np.random.default_rng([seed, index])
+    forced = hard > 0 and np.random.default_rng([seed, index, 1]).random() < hard
     geometry = VideoGeometry(num_frames=clip_frames, size=size)
     k = int(rng.integers(clips[0], clips[1] + 1))
     squares, dots = int(rng.integers(0, 4)), int(rng.integers(0, 3))
     if squares + dots == 0:
         squares = 1
     squares, dots = min(squares, k), min(dots, k - min(squares, k))
+    if forced and k > 1:
+        squares = max(1, min(squares, k - 1))
+        dots = max(1, min(dots, k - squares))
     colours = rng.permutation(len(COLOUR_NAMES))[:squares + dots]
     where = rng.permutation(k)[:squares + dots]
     marks = tuple(sorted(((int(c), clip_mark(kind, COLOUR_NAMES[int(col)], rng, geometry))
@@ -152,6 +165,8 @@ def make_stream_example(index: int, *, seed: int, size: int = 112, clip_frames: 
     asked = tuple(sorted({int(x) for x in rng.integers(0, k - 1, size=int(rng.integers(0, 3)))})) if k > 1 else ()
     kinds = [kind for kind, n in (("square", squares), ("dot", dots)) if n]
     kind = kinds[int(rng.integers(0, len(kinds)))]
+    if forced and k > 1:
+        kind = "dot" if marks[-1][1].kind == "square" else "square"
     answer = [m.colour for _, m in marks if m.kind == kind][-1]
     return StreamExample(out, marks, gaps, tuple(keep), asked, kind, answer)
 
