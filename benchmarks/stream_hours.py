@@ -36,6 +36,7 @@ from cords_vllm.lab.bench.stream_hours import (
     PushRecord,
     QuestionRecord,
     StreamVideo,
+    agreement_with_none,
     check_position_range,
     format_summary,
     plan_questions,
@@ -62,6 +63,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--old-event-min", type=float, default=None,
                    help="how long before a checkpoint its old event is shown (default: 5, at most half of "
                         "--ask-every-min)")
+    p.add_argument("--old-after-recent", action="store_true",
+                   help="ask each old question after the recent event (the dot) is shown, with the recent question: "
+                        "the model must tell the square from the newer dot (default: asked two pushes earlier)")
     p.add_argument("--budget", type=int, default=2048, help="cords budget, video tokens (default: %(default)s)")
     p.add_argument("--max-text-tokens", type=int, default=1024)
     p.add_argument("--max-positions", type=int, default=32768, help="max_position_embeddings served (Qwen2-VL-7B's)")
@@ -90,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
 
     old = args.old_event_min if args.old_event_min is not None else min(5.0, args.ask_every_min / 2)
     cfg = HoursConfig(hours=args.hours, fps=args.fps, clip_frames=args.clip_frames, size=args.size,
-                      ask_every_min=args.ask_every_min, old_event_min=old, budget=args.budget,
+                      ask_every_min=args.ask_every_min, old_event_min=old,
+                      old_after_recent=args.old_after_recent, budget=args.budget,
                       recent=args.budget // 4, slack=args.budget // 4, max_text_tokens=args.max_text_tokens,
                       max_positions=args.max_positions, cords_max_model_len=args.cords_max_model_len,
                       mm_cache_gb=args.mm_cache_gb, seed=args.seed)
@@ -141,11 +146,16 @@ def main(argv: list[str] | None = None) -> int:
                   f"{cfg.max_positions} rotary positions used; server CPU s per push "
                   f"{s['cpu_s_median_first10']:.2f} -> {s['cpu_s_median_last10']:.2f}; questions right by kind "
                   f"{s['questions_by_kind']}, stale answers {s['stale_answers']}")
+    agreement = agreement_with_none(runs)
+    for policy, a in agreement.items():
+        print(f"    {policy} vs none on the {a['questions']} questions both answered: same answer {a['same_answer']}; "
+              f"right {a['right']} ({policy}) and {a['none_right']} (none)")
     wall = time.perf_counter() - t_all
     args.out.mkdir(parents=True, exist_ok=True)
     payload = {"argv": sys.argv[1:], "config": asdict(cfg) | {"pushes": cfg.pushes, "clip_tokens": cfg.clip_tokens,
                                                              "clip_positions": cfg.clip_positions},
                "position_range_check": range_check, "wall_s": wall, "summaries": summaries,
+               "agreement_with_none": agreement,
                "runs": [r.to_json() for r in runs]}
     write_results(args.out / "results.json", payload)
     png = plot_runs(runs, args.out / "stream_hours.png",

@@ -109,6 +109,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="stream-shaped examples per step besides --batch (cords_vllm.lab.vqa.stream_task): several "
                         "marks, the latest asked about, older clips partly held, position gaps; 0: off")
     g.add_argument("--stream-size", type=int, default=112, help="frame side of the stream examples")
+    g.add_argument("--stream-clips", default="4,14", metavar="LO,HI",
+                   help="held clips per stream example, inclusive range (the monitor and held-out splits too)")
     g.add_argument("--stream-hard", type=float, default=0.0,
                    help="share of stream examples drawn in the hard case: a mark of the other kind came after the "
                         "answer (StreamExample.other_kind_newer), as when the stream is asked about minutes ago "
@@ -299,6 +301,14 @@ def monitor_score(model: Any, encoder: HFEncoder, examples: Sequence[VQAExample]
         accs["stream"] = evaluate_stream(model, streams, stream_examples)
         score = (score + accs["stream"]) / 2
     return score, accs
+
+
+def stream_clips(args: argparse.Namespace) -> tuple[int, int]:
+    """``--stream-clips`` as ``(lo, hi)``."""
+    lo, hi = (int(x) for x in args.stream_clips.split(","))
+    if not 1 <= lo <= hi:
+        raise SystemExit(f"--stream-clips: want LO,HI with 1 <= LO <= HI, got {args.stream_clips!r}")
+    return lo, hi
 
 
 def evaluate_stream(model: Any, encoder: StreamEncoder, examples: Sequence[StreamExample]) -> float:
@@ -504,8 +514,8 @@ def train(args: argparse.Namespace) -> None:
     stages = make_stages(args, families)
     shapes = input_shapes(args)
     streams = StreamEncoder(processor.tokenizer) if args.stream_batch else None
-    stream_monitor = (stream_split(args.stream_monitor, "monitor", size=args.stream_size, hard=args.stream_hard)
-                      if streams else [])
+    stream_monitor = (stream_split(args.stream_monitor, "monitor", size=args.stream_size, hard=args.stream_hard,
+                                   clips=stream_clips(args)) if streams else [])
     producer = BatchProducer(stages, encoder, batch=args.batch, seed=args.seed, size=args.size,
                              inputs=[x for x in args.inputs.split(",") if x])
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.98))
@@ -536,7 +546,8 @@ def train(args: argparse.Namespace) -> None:
             loss = F.cross_entropy(logits, batch.answer_ids)
             if streams is not None:
                 examples = [make_stream_example(step * args.stream_batch + j, size=args.stream_size,
-                                                seed=STREAM_SPLIT_SEEDS["train"] + args.seed, hard=args.stream_hard)
+                                                seed=STREAM_SPLIT_SEEDS["train"] + args.seed, hard=args.stream_hard,
+                                                clips=stream_clips(args))
                             for j in range(args.stream_batch)]
                 stream_batch = streams.encode(model, examples)
                 loss = loss + F.cross_entropy(stream_logits(model, stream_batch).float(), stream_batch.answer_ids)
@@ -619,11 +630,12 @@ def train(args: argparse.Namespace) -> None:
     if streams is not None:
         record["data"]["stream"] = {
             "generator": "cords_vllm.lab.vqa.stream_task.make_stream_example(index, seed=seed, size=size, "
-                         "hard=hard)",
-            "size": args.stream_size, "hard": args.stream_hard, "train_seed": STREAM_SPLIT_SEEDS["train"] + args.seed,
+                         "hard=hard, clips=clips)",
+            "size": args.stream_size, "hard": args.stream_hard, "clips": list(stream_clips(args)),
+            "train_seed": STREAM_SPLIT_SEEDS["train"] + args.seed,
             "splits": {k: f"seed={v}" for k, v in STREAM_SPLIT_SEEDS.items() if k != "train"},
-            "questions": "the latest square or dot of 1-4 marks in 4-14 held clips of 8 frames"}
-        heldout = stream_split(args.stream_heldout, "heldout", size=args.stream_size)
+            "questions": "the latest square or dot of 1-5 marks in the held clips (clips) of 8 frames"}
+        heldout = stream_split(args.stream_heldout, "heldout", size=args.stream_size, clips=stream_clips(args))
         record.setdefault("results", {})["hf_stream_heldout"] = stream_report(model, streams, heldout)
         print(f"stream held-out accuracy (HF): {record['results']['hf_stream_heldout']}", flush=True)
     (ckpt / TRAINING_RECORD).write_text(json.dumps(record, indent=1) + "\n")

@@ -3,8 +3,17 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from cords_vllm.lab.bench.stream_hours import HoursConfig, StreamVideo, plan_questions, serve_flags
+from cords_vllm.lab.bench.stream_hours import (
+    HoursConfig,
+    PolicyRun,
+    QuestionRecord,
+    StreamVideo,
+    agreement_with_none,
+    plan_questions,
+    serve_flags,
+)
 from cords_vllm.lab.vqa import COLOURS, shipped_checkpoint
 
 
@@ -13,20 +22,25 @@ def _saturated(clip: np.ndarray) -> np.ndarray:
     return (f.max(-1) - f.min(-1)) > 80  # [F, S, S]
 
 
-def test_questions_follow_the_checkpoints_and_change_colour() -> None:
-    cfg = HoursConfig(hours=1.0, size=112, ask_every_min=15, old_event_min=5)
+@pytest.mark.parametrize("old_after_recent", [False, True])
+def test_questions_follow_the_checkpoints_and_change_colour(old_after_recent: bool) -> None:
+    cfg = HoursConfig(hours=1.0, size=112, ask_every_min=15, old_event_min=5, old_after_recent=old_after_recent)
     questions = plan_questions(cfg)
     assert len(questions) == 2 * 4  # 15, 30, 45 and 60 minutes
+    assert [q.ask_push for q in questions] == sorted(q.ask_push for q in questions)  # in the order they are asked
     for k in range(1, 5):
-        recent, old = (q for q in questions if q.checkpoint == k)
-        assert recent.kind == "recent" and old.kind == "old" and recent.ask_push == old.ask_push
+        recent = next(q for q in questions if q.checkpoint == k and q.kind == "recent")
+        old = next(q for q in questions if q.checkpoint == k and q.kind == "old")
         assert (recent.ask_push + 1) * cfg.clip_seconds == k * 15 * 60
         assert recent.event_push == recent.ask_push - 1
         assert (old.ask_push - old.event_push) * cfg.clip_seconds == 5 * 60
+        # by default the old question comes before the dot is shown; otherwise with the recent one, after it
+        assert (old.ask_push >= recent.event_push) == old_after_recent
+        assert old.ask_push == recent.ask_push - (0 if old_after_recent else 2)
         assert recent.answer != old.answer
         if k > 1:
-            before = [q for q in questions if q.checkpoint == k - 1]
-            assert recent.answer != before[0].answer and old.answer != before[1].answer
+            before = {q.kind: q for q in questions if q.checkpoint == k - 1}
+            assert recent.answer != before["recent"].answer and old.answer != before["old"].answer
 
 
 def test_only_event_clips_show_a_mark_of_the_asked_colour() -> None:
@@ -59,3 +73,21 @@ def test_policy_servers_hold_a_stream_plus_one_push_and_none_the_rotary_range() 
     none = serve_flags(shipped_checkpoint(), "none", cfg)
     assert none[none.index("--max-model-len") + 1] == str(cfg.max_positions)
     assert cfg.clip_tokens == 1024 and cfg.clip_positions == 18
+
+
+def test_agreement_with_none_counts_only_the_questions_both_policies_answered() -> None:
+    def run(policy: str, answers: dict[tuple[int, str], str]) -> PolicyRun:
+        out = PolicyRun(policy, [], 10)
+        truth = {"old": "red", "recent": "blue"}
+        for (checkpoint, kind), predicted in answers.items():
+            out.questions.append(QuestionRecord(checkpoint, kind, 0, 0.0, 0.0, "", truth[kind], predicted,
+                                                predicted == truth[kind], False, 0.0))
+        return out
+
+    none = run("none", {(1, "old"): "red", (1, "recent"): "red"})  # none stopped after checkpoint 1
+    cords = run("cords", {(1, "old"): "red", (1, "recent"): "blue", (2, "old"): "red", (2, "recent"): "blue"})
+    uniform = run("uniform", {(1, "old"): "green", (1, "recent"): "red"})
+    got = agreement_with_none([none, cords, uniform])
+    assert got["cords"] == {"questions": 2, "same_answer": 1, "right": 2, "none_right": 1}
+    assert got["uniform"] == {"questions": 2, "same_answer": 1, "right": 0, "none_right": 1}
+    assert agreement_with_none([cords]) == {}

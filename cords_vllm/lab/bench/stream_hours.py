@@ -16,21 +16,25 @@ stream listing, published up to 0.5 s late, and the pool's usage from ``/metrics
 request), the resident memory of every server process and the push's wall time.
 
 Questions with known answers (the shipped model's families, :mod:`cords_vllm.lab.vqa.tasks`): every
-``ask_every_min`` minutes of video (a *checkpoint*) the stream is asked two questions, after the push that reaches
-the checkpoint:
+``ask_every_min`` minutes of video (a *checkpoint*) the stream is asked two questions:
 
-* *recent*, "What color is the dot?": a small dot of one colour (the ``static`` family's mark) is shown in every
-  frame of the clip before the last one, so the event ended one clip (``clip_frames / fps`` seconds) before the
-  question;
-* *old*, "What color was the square?": a square (the ``colour`` family's needle) is shown for one temporal patch
-  ``old_event_min`` minutes before the checkpoint; it is the only square since the previous checkpoint.
+* *old*, "What color was the square?", two pushes before the checkpoint: a square (the ``colour`` family's needle)
+  was shown for one temporal patch ``old_event_min`` minutes before; it is the only square since the previous
+  checkpoint;
+* *recent*, "What color is the dot?", after the push that reaches the checkpoint: a small dot of one colour (the
+  ``static`` family's mark) is shown in every frame of the clip before the last one, so the event ended one clip
+  (``clip_frames / fps`` seconds) before the question.
+
+The old question is asked before the dot is shown, so it asks whether the stream still holds the square; with
+``old_after_recent`` (``--old-after-recent``) it is asked after the dot, with the recent question, and the model
+must also tell a square from a newer dot.
 
 Earlier checkpoints' marks may still be held: each checkpoint's colours differ from the previous one's, and a
 wrong answer naming the colour of another mark asked about (an earlier checkpoint's, or this checkpoint's other
 one) is recorded as ``stale``. The one-shot checkpoint (trained on one mark per video) names the most salient
 mark whatever is asked once a stream holds several, under ``none`` too; :mod:`cords_vllm.lab.vqa.stream_task`
 draws training examples of this shape (the latest mark of the kind asked, older clips partly held, position gaps)
-for a checkpoint that tells marks apart (``train_vqa.py --stream-batch``; not shipped yet: see docs/results.md).
+for a checkpoint that tells marks apart (``train_vqa.py --stream-batch``; see docs/results.md).
 """
 
 from __future__ import annotations
@@ -67,6 +71,11 @@ class HoursConfig:
         Video length, frame rate, frames per push (even) and frame side in pixels (a multiple of 28).
     ask_every_min, old_event_min:
         Minutes of video between checkpoints, and how long before a checkpoint its old event is shown.
+    old_after_recent:
+        Ask a checkpoint's old question after its recent event (the dot) is shown, with the recent question;
+        otherwise (default) it is asked two pushes earlier, before the dot. Either way it is about an event
+        ``old_event_min`` minutes back; after the dot, naming the latest mark is wrong, so the model must also tell a
+        square from a newer dot (the stream task's hard case), not only remember.
     budget, recent, slack, max_text_tokens:
         ``--kv-policy-config`` of a policy other than ``none`` (video tokens; protected text tokens).
     block_size, max_positions:
@@ -90,6 +99,7 @@ class HoursConfig:
     size: int = 448
     ask_every_min: float = 15.0
     old_event_min: float = 5.0
+    old_after_recent: bool = False
     budget: int = 2048
     recent: int = 512
     slack: int = 512
@@ -167,18 +177,22 @@ class Question:
 
 def plan_questions(cfg: HoursConfig) -> list[Question]:
     """Two questions (recent, old) per checkpoint that the run reaches; colours differ from the previous
-    checkpoint's (and a checkpoint's dot from its square)."""
+    checkpoint's (and a checkpoint's dot from its square). The recent question is asked after the push that
+    reaches the checkpoint, about the push before it; the old one two pushes earlier, before the dot is shown
+    (:attr:`HoursConfig.old_after_recent`: with the recent one)."""
     rng = np.random.default_rng([cfg.seed, 0x5EC])
     per_checkpoint = cfg.ask_every_min * 60 / cfg.clip_seconds
-    old_back = max(2, round(cfg.old_event_min * 60 / cfg.clip_seconds))
+    old_back = max(3, round(cfg.old_event_min * 60 / cfg.clip_seconds))
     questions: list[Question] = []
     previous = {"recent": None, "old": None}
     k = 1
     while (ask := round(k * per_checkpoint) - 1) < cfg.pushes:
         square = str(rng.choice([c for c in COLOUR_NAMES if c != previous["old"]]))
-        old_push = ask - old_back
         dot = str(rng.choice([c for c in COLOUR_NAMES if c not in (previous["recent"], square)]))
-        questions += [Question(k, "recent", ask, ask - 1, dot), Question(k, "old", ask, old_push, square)]
+        old_ask = ask if cfg.old_after_recent else ask - 2
+        old = Question(k, "old", old_ask, old_ask - old_back, square)
+        recent = Question(k, "recent", ask, ask - 1, dot)
+        questions += [recent, old] if cfg.old_after_recent else [old, recent]
         previous = {"recent": dot, "old": square}
         k += 1
     return questions
@@ -584,6 +598,25 @@ def summarise(run: PolicyRun, cfg: HoursConfig) -> dict[str, Any]:
                                      sum(q.kind == kind for q in run.questions)] for kind in QUESTIONS},
         "stale_answers": sum(q.stale for q in run.questions),
     })
+    return out
+
+
+def agreement_with_none(runs: Sequence[PolicyRun]) -> dict[str, dict[str, Any]]:
+    """Per policy other than ``none``: of the questions both it and ``none`` answered (``none`` stops at its rotary
+    range), how many got the same answer. Where they agree, what the policy evicted did not change the answer,
+    right or wrong: the compression's own fidelity, apart from how well the model answers."""
+    reference = next((r for r in runs if r.policy == "none"), None)
+    if reference is None:
+        return {}
+    asked = {(q.checkpoint, q.kind): q.predicted for q in reference.questions}
+    out: dict[str, dict[str, Any]] = {}
+    for run in runs:
+        if run is reference:
+            continue
+        both = [(q, asked[q.checkpoint, q.kind]) for q in run.questions if (q.checkpoint, q.kind) in asked]
+        out[run.policy] = {"questions": len(both), "same_answer": sum(q.predicted == p for q, p in both),
+                           "right": sum(q.correct for q, _ in both),
+                           "none_right": sum(p == q.answer for q, p in both)}
     return out
 
 
