@@ -311,6 +311,12 @@ def stream_clips(args: argparse.Namespace) -> tuple[int, int]:
     return lo, hi
 
 
+def stream_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The stream examples' options of the training data and the monitor split (the held-out split draws the
+    default mix, ``hard=0``, over the same clip range)."""
+    return {"clips": stream_clips(args), "hard": args.stream_hard}
+
+
 def evaluate_stream(model: Any, encoder: StreamEncoder, examples: Sequence[StreamExample]) -> float:
     """HF accuracy of ``model`` on stream examples (eval mode, then back)."""
     return float(np.mean(stream_correct(model, encoder, examples))) if examples else 0.0
@@ -514,8 +520,8 @@ def train(args: argparse.Namespace) -> None:
     stages = make_stages(args, families)
     shapes = input_shapes(args)
     streams = StreamEncoder(processor.tokenizer) if args.stream_batch else None
-    stream_monitor = (stream_split(args.stream_monitor, "monitor", size=args.stream_size, hard=args.stream_hard,
-                                   clips=stream_clips(args)) if streams else [])
+    stream_monitor = (stream_split(args.stream_monitor, "monitor", size=args.stream_size, **stream_kwargs(args))
+                      if streams else [])
     producer = BatchProducer(stages, encoder, batch=args.batch, seed=args.seed, size=args.size,
                              inputs=[x for x in args.inputs.split(",") if x])
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.98))
@@ -546,8 +552,7 @@ def train(args: argparse.Namespace) -> None:
             loss = F.cross_entropy(logits, batch.answer_ids)
             if streams is not None:
                 examples = [make_stream_example(step * args.stream_batch + j, size=args.stream_size,
-                                                seed=STREAM_SPLIT_SEEDS["train"] + args.seed, hard=args.stream_hard,
-                                                clips=stream_clips(args))
+                                                seed=STREAM_SPLIT_SEEDS["train"] + args.seed, **stream_kwargs(args))
                             for j in range(args.stream_batch)]
                 stream_batch = streams.encode(model, examples)
                 loss = loss + F.cross_entropy(stream_logits(model, stream_batch).float(), stream_batch.answer_ids)
@@ -631,7 +636,7 @@ def train(args: argparse.Namespace) -> None:
         record["data"]["stream"] = {
             "generator": "cords_vllm.lab.vqa.stream_task.make_stream_example(index, seed=seed, size=size, "
                          "hard=hard, clips=clips)",
-            "size": args.stream_size, "hard": args.stream_hard, "clips": list(stream_clips(args)),
+            "size": args.stream_size, **stream_kwargs(args),
             "train_seed": STREAM_SPLIT_SEEDS["train"] + args.seed,
             "splits": {k: f"seed={v}" for k, v in STREAM_SPLIT_SEEDS.items() if k != "train"},
             "questions": "the latest square or dot of 1-5 marks in the held clips (clips) of 8 frames"}

@@ -47,12 +47,17 @@ def test_training_smoke(tmp_path: Path) -> None:
     script.main(["--steps", "3", "--frames", "8", "--size", "56", "--batch", "4", "--eval-every", "2",
                  "--monitor-per-family", "2", "--heldout-per-family", "2", "--vllm-per-family", "2",
                  "--test-per-family", "1", "--curriculum", "colour@8:1", "--inputs", "video,images",
-                 "--output", str(out)])
+                 "--stream-batch", "2", "--stream-size", "56", "--stream-clips", "2,4", "--stream-hard", "0.5",
+                 "--stream-monitor", "4", "--stream-heldout", "8", "--output", str(out)])
     ckpt = out / "checkpoint"
     record = json.loads((ckpt / "training.json").read_text())
     assert record["training"]["steps"] == 3
     assert set(record["results"]["summary"]) == {"hf", "vllm"}
-    assert "T8-images" in record["results"]["hf"]  # frames sent as images are scored too
+    assert "T8-images" in record["results"]["hf_heldout"]  # frames sent as images are scored too
+    stream = record["results"]["hf_stream_heldout"]  # held-out stream accuracy, split by the hard case
+    assert stream["examples"] == 8
+    assert stream["latest_mark_asked"]["examples"] + stream["other_kind_newer"]["examples"] == 8
+    assert record["data"]["stream"]["hard"] == 0.5 and record["data"]["stream"]["clips"] == [2, 4]
     assert record["results"]["vllm"]["test_split"]["per_family"] == 1
     assert (out / "checkpoint-fp32" / "model.safetensors").is_file()
     assert json.loads((ckpt / "config.json").read_text())["text_config"]["dtype"] == "bfloat16"
