@@ -72,8 +72,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cords-max-model-len", type=int, default=None,
                    help="--max-model-len under a policy (default: what a stream holds plus one push)")
     p.add_argument("--checkpoint", default="shipped",
-                   help="'shipped' (the shipped tiny video-QA model, default) or a checkpoint directory, e.g. one "
-                        "fine-tuned on stream-shaped examples by train_vqa.py --stream-batch")
+                   help="'shipped' (the shipped tiny video-QA model, default), a checkpoint directory (e.g. one "
+                        "fine-tuned on stream-shaped examples by train_vqa.py --stream-batch) or a Hugging Face model "
+                        "id served as is (e.g. Qwen/Qwen2-VL-7B-Instruct on a GPU, with --dtype auto "
+                        "--answer-tokens 16)")
     p.add_argument("--skip-range-check", action="store_true", help="do not check that the served range is refused "
                                                                    "one past --max-positions")
     p.add_argument("--mm-cache-gb", type=float, default=0.0,
@@ -81,6 +83,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "so the cache only fills; vLLM's default is 4)")
     p.add_argument("--loop-clips", action="store_true",
                    help="repeat the same 16 background clips (default: every push unique, a timestamp in a corner)")
+    p.add_argument("--dtype", default="float32",
+                   help="model and KV dtype (default: %(default)s, the tiny checkpoints'; 'auto' for a served "
+                        "Qwen2-VL)")
+    p.add_argument("--answer-tokens", type=int, default=1,
+                   help="tokens an answer may take; an answer is scored by the first colour it names (default: "
+                        "%(default)s, the tiny checkpoints answer one word)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/stream_hours"))
     return p.parse_args(argv)
@@ -98,8 +106,10 @@ def main(argv: list[str] | None = None) -> int:
                       old_after_recent=args.old_after_recent, budget=args.budget,
                       recent=args.budget // 4, slack=args.budget // 4, max_text_tokens=args.max_text_tokens,
                       max_positions=args.max_positions, cords_max_model_len=args.cords_max_model_len,
-                      mm_cache_gb=args.mm_cache_gb, seed=args.seed)
-    model_dir = shipped_checkpoint() if args.checkpoint == "shipped" else Path(args.checkpoint)
+                      mm_cache_gb=args.mm_cache_gb, dtype=args.dtype, answer_tokens=args.answer_tokens,
+                      seed=args.seed)
+    model_dir = (shipped_checkpoint() if args.checkpoint == "shipped"
+                 else Path(args.checkpoint) if Path(args.checkpoint).is_dir() else args.checkpoint)
     t_all = time.perf_counter()
     print(f"==> {cfg.hours:g} h of {cfg.size}x{cfg.size} video at {cfg.fps:g} fps in {cfg.pushes} pushes of "
           f"{cfg.clip_frames} frames ({cfg.clip_tokens} video tokens, {cfg.clip_positions} rotary positions each; "

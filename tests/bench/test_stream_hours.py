@@ -11,6 +11,7 @@ from cords_vllm.lab.bench.stream_hours import (
     QuestionRecord,
     StreamVideo,
     agreement_with_none,
+    named_colour,
     plan_questions,
     serve_flags,
 )
@@ -73,6 +74,19 @@ def test_policy_servers_hold_a_stream_plus_one_push_and_none_the_rotary_range() 
     none = serve_flags(shipped_checkpoint(), "none", cfg)
     assert none[none.index("--max-model-len") + 1] == str(cfg.max_positions)
     assert cfg.clip_tokens == 1024 and cfg.clip_positions == 18
+
+    # a served chat model: its own dtype, a KV pool of half the bytes per block at 16 bits
+    half = serve_flags(shipped_checkpoint(), "cords", HoursConfig(size=448, dtype="auto"))
+    assert half[half.index("--dtype") + 1] == "auto"
+    pool = int(flags[flags.index("--kv-cache-memory-bytes") + 1])
+    assert int(half[half.index("--kv-cache-memory-bytes") + 1]) * 2 == pool
+
+
+def test_answers_are_scored_by_the_first_colour_they_name() -> None:
+    assert named_colour("red") == "red" and named_colour(" blue\n") == "blue"
+    assert named_colour("The dot is Green; the square was red.") == "green"
+    assert named_colour("I cannot tell.") == "I cannot tell."
+    assert named_colour("reddish") == "reddish"  # whole words only
 
 
 def test_agreement_with_none_counts_only_the_questions_both_policies_answered() -> None:

@@ -84,8 +84,14 @@ class PolicyResult:
 
 
 def kv_bytes_per_block(model_dir: str | Path, block_size: int, dtype_bytes: int) -> int:
-    """Bytes one KV block takes across all layers of a (Qwen2-VL) checkpoint."""
-    text = json.loads((Path(model_dir) / "config.json").read_text())
+    """Bytes one KV block takes across all layers of a (Qwen2-VL) checkpoint: a directory, or a Hugging Face model
+    id (its ``config.json`` from the hub cache)."""
+    config = Path(model_dir) / "config.json"
+    if not config.is_file():
+        from huggingface_hub import hf_hub_download
+
+        config = Path(hf_hub_download(str(model_dir), "config.json"))
+    text = json.loads(config.read_text())
     text = text.get("text_config", text)
     head = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
     return 2 * text["num_hidden_layers"] * text["num_key_value_heads"] * head * block_size * dtype_bytes

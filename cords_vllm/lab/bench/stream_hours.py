@@ -85,6 +85,10 @@ class HoursConfig:
         one push, rounded up to 1,024. ``none`` uses ``max_positions``.
     pool_footprints:
         KV pool under a policy, in streams' footprints (``none``: one ``--max-model-len`` request).
+    dtype, answer_tokens:
+        ``--dtype`` of the model and KV cache (``float32`` for the tiny checkpoints; ``auto`` for a served
+        Qwen2-VL), and tokens an answer may take (the tiny checkpoints answer one word; a chat model writes a
+        sentence, scored by the first colour it names: :func:`named_colour`).
     mm_cache_gb:
         ``--mm-processor-cache-gb``; ``None``: vLLM's default (4 GiB). Off by default: a live stream never sends
         the same clip twice, so the cache only fills (the engine core's copy by about one processed clip a push,
@@ -109,6 +113,8 @@ class HoursConfig:
     cords_max_model_len: int | None = None
     pool_footprints: float = 2.0
     mm_cache_gb: float | None = 0.0
+    dtype: str = "float32"
+    answer_tokens: int = 1
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -277,8 +283,9 @@ def serve_flags(model_dir: str | Path, policy: str, cfg: HoursConfig) -> list[st
     else:
         footprint = cdiv(cfg.max_text_tokens + cfg.budget + cfg.slack + 2 * block, block)
         max_model_len, pool_blocks = cfg.policy_max_model_len, math.ceil(cfg.pool_footprints * footprint) + 1
-    flags = ["--kv-policy", policy, "--dtype", "float32", "--enforce-eager", "--block-size", str(block),
-             "--kv-cache-memory-bytes", str((pool_blocks + 1) * kv_bytes_per_block(model_dir, block, 4)),
+    dtype_bytes = 4 if cfg.dtype == "float32" else 2
+    flags = ["--kv-policy", policy, "--dtype", cfg.dtype, "--enforce-eager", "--block-size", str(block),
+             "--kv-cache-memory-bytes", str((pool_blocks + 1) * kv_bytes_per_block(model_dir, block, dtype_bytes)),
              "--max-model-len", str(max_model_len),
              "--max-num-batched-tokens", str(max(2048, 2 * (cfg.clip_tokens + MARKERS))),
              "--limit-mm-per-prompt", '{"image": 0, "video": 1}', "--served-model-name", "tiny-vqa",
@@ -302,7 +309,7 @@ def check_position_range(model_dir: str | Path, cfg: HoursConfig) -> dict[str, A
     overridden ``max_position_embeddings`` (proof that the engine runs with that range). Returns what it said."""
     from cords_vllm.lab.serving.process import VLLMServer
 
-    server = VLLMServer(model_dir, ["--kv-policy", "none", "--dtype", "float32", "--enforce-eager",
+    server = VLLMServer(model_dir, ["--kv-policy", "none", "--dtype", cfg.dtype, "--enforce-eager",
                                     "--max-model-len", str(cfg.max_positions + 1), *position_flags(cfg)],
                         startup_timeout=180)
     try:
@@ -406,6 +413,12 @@ class PolicyRun:
         return out
 
 
+def named_colour(text: str) -> str:
+    """The first colour name in an answer (``"The dot is red."`` -> ``"red"``), else the answer stripped."""
+    words = re.findall(r"[a-z]+", text.lower())
+    return next((w for w in words if w in COLOUR_NAMES), text.strip())
+
+
 def _scrape_pool_blocks(base_url: str, total_blocks: int) -> int:
     from cords_vllm.lab.bench.http import scrape
 
@@ -486,8 +499,7 @@ def run_policy(model_dir: str | Path, policy: str, cfg: HoursConfig, video: Stre
                 for q in asks.get(push, []):
                     what = f"{q.kind} question"
                     t = time.perf_counter()
-                    predicted = stream.ask(q.text, max_tokens=1)
-                    got = predicted.strip()
+                    got = named_colour(stream.ask(q.text, max_tokens=cfg.answer_tokens))
                     done = QuestionRecord(
                         checkpoint=q.checkpoint, kind=q.kind, push=push, video_s=record.video_s,
                         event_video_s=q.event_push * cfg.clip_seconds, question=q.text, answer=q.answer,
