@@ -8,11 +8,13 @@ import pytest
 from cords_vllm.lab.bench.stream_hours import (
     HoursConfig,
     PolicyRun,
+    PushRecord,
     QuestionRecord,
     StreamVideo,
     agreement_with_none,
     named_colour,
     plan_questions,
+    rss_growth,
     serve_flags,
 )
 from cords_vllm.lab.vqa import COLOURS, shipped_checkpoint
@@ -105,3 +107,16 @@ def test_agreement_with_none_counts_only_the_questions_both_policies_answered() 
     assert got["cords"] == {"questions": 2, "same_answer": 1, "right": 2, "none_right": 1}
     assert got["uniform"] == {"questions": 2, "same_answer": 1, "right": 0, "none_right": 1}
     assert agreement_with_none([cords]) == {}
+
+
+def test_rss_growth_tells_growth_that_levels_off_from_growth_that_goes_on() -> None:
+    def records(mb: list[float]) -> list[PushRecord]:
+        return [PushRecord(i, (i + 1) * 4.0, 0, None, 0, 0, 0, m, {}, 0.0, 0.0, 0.0, 0.0) for i, m in enumerate(mb)]
+
+    n = 900  # one hour of 4-second pushes
+    step = [1000.0 + min(i, n // 3) * 0.1 for i in range(n)]  # +30 MB in the first 20 minutes, then flat
+    leak = [1000.0 + i * 0.1 for i in range(n)]  # +90 MB an hour, all the way
+    levels_off, goes_on = rss_growth(records(step)), rss_growth(records(leak))
+    assert levels_off["pct_per_hour"] > 0 and abs(levels_off["late_pct_per_hour"]) < 1e-6
+    assert goes_on["late_pct_per_hour"] == pytest.approx(goes_on["pct_per_hour"]) == pytest.approx(
+        100 * 90 / goes_on["start_mb"], rel=1e-3)

@@ -547,18 +547,29 @@ def _tenth(n: int) -> int:
 
 def rss_growth(records: Sequence[PushRecord], key: Callable[[PushRecord], float] | None = None) -> dict[str, Any]:
     """RSS growth after warm-up (the first 10% of pushes): a least-squares line of RSS against video hours over
-    the other pushes; ``pct_per_hour`` is its slope over the RSS at the end of warm-up."""
+    the other pushes; ``pct_per_hour`` is its slope over the RSS at the end of warm-up. ``late_pct_per_hour``:
+    the same over the second half of the pushes only, which tells growth that goes on (a leak) from growth that
+    levels off (caches and the allocator's heap filling to their size)."""
     key = key or (lambda r: r.rss_mb)
     warm = _tenth(len(records))
     rest = records[warm:]
     if len(rest) < 2:
-        return {"mb_per_hour": None, "pct_per_hour": None, "start_mb": None, "end_mb": None}
-    hours = np.array([r.video_s / 3600 for r in rest])
-    mb = np.array([key(r) for r in rest])
-    slope = float(np.polyfit(hours, mb, 1)[0]) if np.ptp(hours) > 0 else 0.0
+        return {"mb_per_hour": None, "pct_per_hour": None, "start_mb": None, "end_mb": None,
+                "late_mb_per_hour": None, "late_pct_per_hour": None}
     start = float(key(records[warm - 1]))
+    slope = _slope(rest, key)
+    late = _slope(records[len(records) // 2:], key)
     return {"mb_per_hour": slope, "pct_per_hour": 100 * slope / start if start else None, "start_mb": start,
-            "end_mb": float(mb[-1]), "delta_mb": float(mb[-1] - start)}
+            "end_mb": float(key(rest[-1])), "delta_mb": float(key(rest[-1]) - start),
+            "late_mb_per_hour": late, "late_pct_per_hour": 100 * late / start if start else None}
+
+
+def _slope(records: Sequence[PushRecord], key: Callable[[PushRecord], float]) -> float:
+    """MB per hour of video: the least-squares slope of ``key`` over ``records``."""
+    hours = np.array([r.video_s / 3600 for r in records])
+    if len(records) < 2 or np.ptp(hours) == 0:
+        return 0.0
+    return float(np.polyfit(hours, np.array([key(r) for r in records]), 1)[0])
 
 
 def summarise(run: PolicyRun, cfg: HoursConfig) -> dict[str, Any]:
@@ -647,7 +658,8 @@ def _fmt(value: Any, spec: str = "{}") -> str:
 def format_summary(summaries: Sequence[dict[str, Any]]) -> str:
     """A Markdown table of :func:`summarise` results, one row per policy."""
     lines = ["| policy | pushes | video h | KV blocks first / last (peak) | flat | RSS after warm-up | "
-             "RSS %/h | push s first / last 10% | ratio | CPU s ratio | load first / last | right / asked | ended |",
+             "RSS %/h (2nd half) | push s first / last 10% | ratio | CPU s ratio | load first / last | "
+             "right / asked | ended |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in summaries:
         if not s["pushes"]:
@@ -660,7 +672,8 @@ def format_summary(summaries: Sequence[dict[str, Any]]) -> str:
             f"| {s['policy']} | {s['pushes']} | {s['video_hours']:.3f} | {s['kv_blocks_first']} / "
             f"{s['kv_blocks_last']} ({s['kv_blocks_peak']}) | {'yes' if s['kv_flat'] else 'no'} | "
             f"{_fmt(rss['start_mb'], '{:.0f}')} -> {_fmt(rss['end_mb'], '{:.0f}')} MB | "
-            f"{_fmt(rss['pct_per_hour'], '{:+.2f}')} | {s['push_s_median_first10']:.3f} / "
+            f"{_fmt(rss['pct_per_hour'], '{:+.2f}')} ({_fmt(rss['late_pct_per_hour'], '{:+.2f}')}) | "
+            f"{s['push_s_median_first10']:.3f} / "
             f"{s['push_s_median_last10']:.3f} | {_fmt(s['push_s_ratio_last_first'], '{:.2f}x')} | "
             f"{_fmt(s['cpu_s_ratio_last_first'], '{:.2f}x')} | {s['load1_mean_first10']:.1f} / "
             f"{s['load1_mean_last10']:.1f} | "
