@@ -46,6 +46,11 @@ def test_questions_follow_the_checkpoints_and_change_colour(old_after_recent: bo
             assert recent.answer != before["recent"].answer and old.answer != before["old"].answer
 
 
+def test_an_old_event_before_the_stream_starts_is_refused() -> None:
+    with pytest.raises(ValueError, match="before the stream starts"):
+        plan_questions(HoursConfig(hours=0.5, size=112, ask_every_min=2, old_event_min=1.95))
+
+
 def test_only_event_clips_show_a_mark_of_the_asked_colour() -> None:
     cfg = HoursConfig(hours=0.2, size=112, ask_every_min=2, old_event_min=1)
     questions = plan_questions(cfg)

@@ -197,6 +197,9 @@ def plan_questions(cfg: HoursConfig) -> list[Question]:
         dot = str(rng.choice([c for c in COLOUR_NAMES if c not in (previous["recent"], square)]))
         old_ask = ask if cfg.old_after_recent else ask - 2
         old = Question(k, "old", old_ask, old_ask - old_back, square)
+        if old.event_push < 0:
+            raise ValueError(f"old_event_min {cfg.old_event_min:g} is too close to ask_every_min "
+                             f"{cfg.ask_every_min:g}: the first old event would come before the stream starts")
         recent = Question(k, "recent", ask, ask - 1, dot)
         questions += [recent, old] if cfg.old_after_recent else [old, recent]
         previous = {"recent": dot, "old": square}
