@@ -30,6 +30,8 @@ def test_offline_llm_video_runs():
     assert "answer:" in out.stdout and "prompt:" in out.stdout
 
 
+#: Runs with ``-m slow`` (about 30 s; keeps the default suite under 20 minutes on 2 cores).
+@pytest.mark.slow
 @pytest.mark.engine
 def test_budget_and_layers_runs_every_setting():
     import budget_and_layers

@@ -30,6 +30,9 @@ COUNTERS = [f"cords_vllm_{name}_total" for name in PUBLISHED_COUNTERS]
 RAISED = [name for name in COUNTERS if name != "cords_vllm_nonfinite_compressions_total"]
 
 
+#: Runs with ``-m slow`` (about 35 s; the data-parallel stream test checks the counters of two API servers in the
+#: default suite).
+@pytest.mark.slow
 def test_two_api_servers_log_at_debug_and_report_the_same_counters(tiny_model):
     with VLLMServer(tiny_model, ARGS, env={"VLLM_LOGGING_LEVEL": "DEBUG"}) as server:
         status, body = server.post_json("/v1/chat/completions", {
