@@ -36,6 +36,10 @@ def check_command(out: Path) -> tuple[list[str], dict[str, str]]:
     return [sys.executable, "-m", "cords_vllm.lab.gpu_check", "--cpu", "--out", str(out)], {}
 
 
+#: Runs with ``-m slow`` (about 60 s: every step of the GPU check, served on CPU; keeps the default suite under
+#: 20 minutes on 2 cores). What its steps serve is tested in the default suite by the server tests, and its
+#: failure handling by the tests below.
+@pytest.mark.slow
 @pytest.mark.server
 def test_cpu_mode_passes_every_step_and_prints_one_table(tmp_path):
     command, env = check_command(tmp_path)
