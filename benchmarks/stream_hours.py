@@ -108,8 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                       max_positions=args.max_positions, cords_max_model_len=args.cords_max_model_len,
                       mm_cache_gb=args.mm_cache_gb, dtype=args.dtype, answer_tokens=args.answer_tokens,
                       seed=args.seed)
-    model_dir = (shipped_checkpoint() if args.checkpoint == "shipped"
-                 else Path(args.checkpoint) if Path(args.checkpoint).is_dir() else args.checkpoint)
+    model_dir = shipped_checkpoint() if args.checkpoint == "shipped" else args.checkpoint  # a directory or an id
     t_all = time.perf_counter()
     print(f"==> {cfg.hours:g} h of {cfg.size}x{cfg.size} video at {cfg.fps:g} fps in {cfg.pushes} pushes of "
           f"{cfg.clip_frames} frames ({cfg.clip_tokens} video tokens, {cfg.clip_positions} rotary positions each; "

@@ -84,6 +84,17 @@ from cords_vllm.lab.vqa.stream_task import (
 DEFAULT_FAMILIES = "colour,order,count,static"
 
 
+def clip_range(text: str) -> tuple[int, int]:
+    """``--stream-clips LO,HI`` as ``(lo, hi)``, with ``1 <= lo <= hi``."""
+    try:
+        lo, hi = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want LO,HI, got {text!r}") from None
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"want 1 <= LO <= HI, got {text!r}")
+    return lo, hi
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -109,7 +120,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="stream-shaped examples per step besides --batch (cords_vllm.lab.vqa.stream_task): several "
                         "marks, the latest asked about, older clips partly held, position gaps; 0: off")
     g.add_argument("--stream-size", type=int, default=112, help="frame side of the stream examples")
-    g.add_argument("--stream-clips", default="4,14", metavar="LO,HI",
+    g.add_argument("--stream-clips", type=clip_range, default=(4, 14), metavar="LO,HI",
                    help="held clips per stream example, inclusive range (the monitor and held-out splits too)")
     g.add_argument("--stream-hard", type=float, default=0.0,
                    help="share of stream examples drawn in the hard case: a mark of the other kind came after the "
@@ -303,18 +314,10 @@ def monitor_score(model: Any, encoder: HFEncoder, examples: Sequence[VQAExample]
     return score, accs
 
 
-def stream_clips(args: argparse.Namespace) -> tuple[int, int]:
-    """``--stream-clips`` as ``(lo, hi)``."""
-    lo, hi = (int(x) for x in args.stream_clips.split(","))
-    if not 1 <= lo <= hi:
-        raise SystemExit(f"--stream-clips: want LO,HI with 1 <= LO <= HI, got {args.stream_clips!r}")
-    return lo, hi
-
-
 def stream_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The stream examples' options of the training data and the monitor split (the held-out split draws the
     default mix, ``hard=0``, over the same clip range)."""
-    return {"clips": stream_clips(args), "hard": args.stream_hard}
+    return {"clips": args.stream_clips, "hard": args.stream_hard}
 
 
 def evaluate_stream(model: Any, encoder: StreamEncoder, examples: Sequence[StreamExample]) -> float:
@@ -640,7 +643,7 @@ def train(args: argparse.Namespace) -> None:
             "train_seed": STREAM_SPLIT_SEEDS["train"] + args.seed,
             "splits": {k: f"seed={v}" for k, v in STREAM_SPLIT_SEEDS.items() if k != "train"},
             "questions": "the latest square or dot of 1-5 marks in the held clips (clips) of 8 frames"}
-        heldout = stream_split(args.stream_heldout, "heldout", size=args.stream_size, clips=stream_clips(args))
+        heldout = stream_split(args.stream_heldout, "heldout", size=args.stream_size, clips=args.stream_clips)
         record.setdefault("results", {})["hf_stream_heldout"] = stream_report(model, streams, heldout)
         print(f"stream held-out accuracy (HF): {record['results']['hf_stream_heldout']}", flush=True)
     (ckpt / TRAINING_RECORD).write_text(json.dumps(record, indent=1) + "\n")

@@ -83,6 +83,12 @@ class PolicyResult:
         return out
 
 
+def dtype_bytes(dtype: str) -> int:
+    """Bytes of one KV element served with ``--dtype dtype``: 4 for ``float32``, else 2 (16-bit, ``auto`` included
+    for the Qwen-VL checkpoints, which are bf16)."""
+    return 4 if dtype == "float32" else 2
+
+
 def kv_bytes_per_block(model_dir: str | Path, block_size: int, dtype_bytes: int) -> int:
     """Bytes one KV block takes across all layers of a (Qwen2-VL) checkpoint: a directory, or a Hugging Face model
     id (its ``config.json`` from the hub cache)."""
@@ -108,14 +114,13 @@ class EngineSettings:
     dtype: str = "float32"
 
     def engine_kwargs(self, model_dir: str | Path, workload: VideoWorkload, prompt_tokens: int) -> dict[str, Any]:
-        dtype_bytes = 4 if self.dtype == "float32" else 2
         per_video = cdiv(prompt_tokens + workload.max_tokens, self.block_size)
         max_len = per_video * self.block_size
         # vLLM's start-up check needs one max_model_len request to fit in the pool
         blocks = max(int(self.pool_videos * per_video), per_video) + 1
         return {
             "dtype": self.dtype, "block_size": self.block_size,
-            "kv_cache_memory_bytes": blocks * kv_bytes_per_block(model_dir, self.block_size, dtype_bytes),
+            "kv_cache_memory_bytes": blocks * kv_bytes_per_block(model_dir, self.block_size, dtype_bytes(self.dtype)),
             "max_model_len": max_len,
             # the encoder cache (sized by max_num_batched_tokens) must hold every video being prefilled
             "max_num_batched_tokens": max(workload.num_requests * workload.video_tokens, max_len),

@@ -277,7 +277,7 @@ def serve_flags(model_dir: str | Path, policy: str, cfg: HoursConfig) -> list[st
     a stream under ``none`` as one max-model-len request). A policy: ``cfg.policy_max_model_len`` and a pool of
     ``cfg.pool_footprints`` streams' bounded footprints.
     """
-    from cords_vllm.lab.bench.offline import kv_bytes_per_block
+    from cords_vllm.lab.bench.offline import dtype_bytes, kv_bytes_per_block
     from cords_vllm.utils import cdiv
 
     block = cfg.block_size
@@ -286,9 +286,9 @@ def serve_flags(model_dir: str | Path, policy: str, cfg: HoursConfig) -> list[st
     else:
         footprint = cdiv(cfg.max_text_tokens + cfg.budget + cfg.slack + 2 * block, block)
         max_model_len, pool_blocks = cfg.policy_max_model_len, math.ceil(cfg.pool_footprints * footprint) + 1
-    dtype_bytes = 4 if cfg.dtype == "float32" else 2
+    pool_bytes = (pool_blocks + 1) * kv_bytes_per_block(model_dir, block, dtype_bytes(cfg.dtype))
     flags = ["--kv-policy", policy, "--dtype", cfg.dtype, "--enforce-eager", "--block-size", str(block),
-             "--kv-cache-memory-bytes", str((pool_blocks + 1) * kv_bytes_per_block(model_dir, block, dtype_bytes)),
+             "--kv-cache-memory-bytes", str(pool_bytes),
              "--max-model-len", str(max_model_len),
              "--max-num-batched-tokens", str(max(2048, 2 * (cfg.clip_tokens + MARKERS))),
              "--limit-mm-per-prompt", '{"image": 0, "video": 1}', "--served-model-name", "tiny-vqa",
