@@ -1,7 +1,12 @@
 """The plugin's whole contract with vLLM 0.32, in one table: every function it wraps or calls, the field it
-declares and the attribute it relies on vLLM to drain. Installed once, all or nothing, by
-:func:`install` (:mod:`cords_vllm.integration.patching`: every entry resolved and signature-checked before
-anything changes).
+declares and the attribute it relies on vLLM to drain.
+
+The table is grouped by the process that runs each entry and by whether an engine without a policy needs it
+(:class:`Group`). :func:`install` never imports a vLLM module: each module's entries are installed, checked
+first and all or nothing (:mod:`cords_vllm.integration.patching`), when vLLM itself imports that module in this
+process, and only the entries of this process's platform (an entry's ``platform``). So a CUDA process never loads
+vLLM's CPU worker (whose import replaces torch's CUDA events, streams and pinned copies for the whole process),
+and under ``--kv-policy none`` (:mod:`cords_vllm.integration.engine_policy`) the workers run vLLM's code alone.
 
 The wrappers live with the process they run in (:mod:`~cords_vllm.integration.startup.cli_args`,
 :mod:`~cords_vllm.integration.engine_core.hooks`, :mod:`~cords_vllm.integration.worker.hooks`,
@@ -11,10 +16,23 @@ none``. The same engine changes, as upstream would make them, are the patch seri
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from cords_vllm.integration import engine_policy
 from cords_vllm.integration.api_server.outputs import make_apply_streaming_update
 from cords_vllm.integration.api_server.streams.plugin import make_attach_endpoint_plugins
 from cords_vllm.integration.engine_core import hooks as core
-from cords_vllm.integration.patching import Call, Drains, EngineSignatureError, Entry, Field, Patch, installed
+from cords_vllm.integration.patching import (
+    Call,
+    Drains,
+    EngineSignatureError,
+    Entry,
+    Field,
+    Patch,
+    for_platform,
+    install_when_imported,
+    installed,
+)
 from cords_vllm.integration.patching import install as install_entries
 from cords_vllm.integration.plans import PLANS_FIELD
 from cords_vllm.integration.startup import cli_args
@@ -24,7 +42,7 @@ from cords_vllm.integration.worker import pipeline_parallel, video_pruning
 _SCHEDULER = "vllm.v1.core.sched.scheduler:Scheduler"
 _ENGINE_ARGS = "vllm.engine.arg_utils:EngineArgs"
 
-#: Start-up (the process that parses the command line and builds ``VllmConfig``).
+#: Start-up (the process that parses the command line and builds ``VllmConfig``), under every policy.
 STARTUP: tuple[Entry, ...] = (
     Patch(f"{_ENGINE_ARGS}.add_cli_args", ("parser",), cli_args.make_add_cli_args,
           why="no hook for a plugin's command-line flags (an unknown flag exits with status 2): add the KV policy "
@@ -34,6 +52,25 @@ STARTUP: tuple[Entry, ...] = (
     Patch(f"{_ENGINE_ARGS}.create_engine_config", ("self", "usage_context", "headless"),
           cli_args.make_create_engine_config,
           why="apply the engine settings a policy needs, check the policy against the model, log it once"),
+)
+
+#: Engine core, under every policy: a stream vLLM would let past ``--max-model-len`` is ended alone (vLLM 0.32
+#: ends the engine and every request in it instead), and a stream's held KV is published for the stream API.
+SESSION_GUARD: tuple[Entry, ...] = (
+    Patch(f"{_SCHEDULER}.schedule", ("self",), core.make_schedule,
+          why="no hook between steps may change a running request's blocks: compress before the step allocates; "
+              "under every policy, end a session vLLM would schedule past --max-model-len (which ends the "
+              "engine) before the step, and publish what each stream holds",
+          upstream="patches/0001-scheduler-kv-compactor-hook.patch"),
+    Call("vllm.v1.core.sched.request_queue:RequestQueue.remove_requests", ("self", "requests"),
+         why="take a request the engine cannot serve out of the waiting queues before the step can schedule it"),
+    Drains(f"{_SCHEDULER}.update_from_output", "encoder_cache_mismatch_reqs",
+           why="the only way to end a request with FINISHED_ERROR from the scheduler and tell its client (a "
+               "session past --max-model-len; under a policy, past max_text_tokens or with invalid overrides)"),
+)
+
+#: Engine core, under a policy: the scheduler, its KV cache manager and the pool's start-up sizing.
+ENGINE_CORE: tuple[Entry, ...] = (
     Patch("vllm.v1.core.kv_cache_utils:_max_memory_usage_bytes_from_groups", ("vllm_config", "kv_cache_groups"),
           core.make_max_memory_usage,
           why="the start-up check asks the pool to hold one max-model-len request; a request under the policy "
@@ -47,13 +84,6 @@ STARTUP: tuple[Entry, ...] = (
               "(max_text_tokens, budget, slack) and how to shrink each"),
     Call("vllm.v1.core.kv_cache_utils:_pool_bytes_per_block", ("vllm_config", "kv_cache_groups"),
          why="bytes of one block across the KV cache groups, for the bounded-footprint start-up rule"),
-)
-
-#: Engine core: the scheduler and its KV cache manager.
-ENGINE_CORE: tuple[Entry, ...] = (
-    Patch(f"{_SCHEDULER}.schedule", ("self",), core.make_schedule,
-          why="no hook between steps may change a running request's blocks: compress before the step allocates",
-          upstream="patches/0001-scheduler-kv-compactor-hook.patch"),
     Patch(f"{_SCHEDULER}._reserve_prefill_lookahead",
           ("self", "request", "num_computed_tokens", "num_new_tokens"), core.make_reserve_prefill_lookahead,
           why="a prefill chunk ends wherever the batch's token budget runs out (and a lone request is never "
@@ -78,14 +108,9 @@ ENGINE_CORE: tuple[Entry, ...] = (
           upstream="patches/0001-scheduler-kv-compactor-hook.patch"),
     Call("vllm.v1.core.block_pool:BlockPool.free_blocks", ("self", "ordered_blocks"),
          why="return a compressed region's evicted blocks to the pool before the step allocates"),
-    Call("vllm.v1.core.sched.request_queue:RequestQueue.remove_requests", ("self", "requests"),
-         why="take a request the engine cannot serve out of the waiting queues before the step can schedule it"),
-    Drains(f"{_SCHEDULER}.update_from_output", "encoder_cache_mismatch_reqs",
-           why="the only way to end a request with FINISHED_ERROR from the scheduler and tell its client (a "
-               "session past --max-model-len; under a policy, past max_text_tokens or with invalid overrides)"),
 )
 
-#: Workers: the model runner and the attention metadata builders.
+#: Workers, under a policy: the model runner and the attention metadata builders.
 WORKER: tuple[Entry, ...] = (
     Patch("vllm.v1.worker.gpu_worker:Worker.initialize_from_config", ("self", "kv_cache_config"),
           worker.make_initialize_from_config,
@@ -116,19 +141,24 @@ WORKER: tuple[Entry, ...] = (
          ("key", "value", "key_cache", "value_cache", "slot_mapping", "isa"),
          keywords=("k_scale", "v_scale", "kv_cache_dtype"),
          why="the CPU backend's own KV write, to learn its tile layout in the layer's KV dtype (kept tokens are "
-             "then moved as stored elements)"),
+             "then moved as stored elements)", platform="cpu"),
+)
+
+#: Workers, under every policy: fixes of vLLM 0.32 itself, each acting only where vLLM would fail.
+VLLM_FIXES: tuple[Entry, ...] = (
     # vLLM's own video pruning (--video-pruning-rate, EVS / VidCom2), with or without a policy
     Patch("vllm.v1.worker.cpu_model_runner:CPUModelRunner.load_model", ("self", "load_dummy_weights"),
           video_pruning.make_cpu_load_model,
           why="the CPU runner's load_model replaces the GPU runner's, which is where is_multimodal_pruning_enabled "
               "is set, so on CPU a pruned video's positions are never recomputed and its first prefill crashes: set "
-              "the flag as the GPU runner does (CPU platform only, only when pruning is asked for)"),
+              "the flag as the GPU runner does (CPU platform only, only when pruning is asked for)", platform="cpu"),
     Drains("vllm.v1.worker.gpu_model_runner:GPUModelRunner._gather_mm_embeddings", "is_multimodal_pruning_enabled",
-           why="the CPU fix above sets the flag this method reads to recompute a pruned request's M-RoPE positions"),
+           why="the CPU fix above sets the flag this method reads to recompute a pruned request's M-RoPE positions",
+           platform="cpu"),
     Call("vllm.model_executor.models.interfaces:supports_multimodal_pruning", ("model",),
-         why="whether the loaded model prunes video, as GPUModelRunner.load_model asks"),
+         why="whether the loaded model prunes video, as GPUModelRunner.load_model asks", platform="cpu"),
     Call("vllm.config.multimodal:MultiModalConfig.is_multimodal_pruning_enabled", ("self",),
-         why="whether --video-pruning-rate asks for pruning, as GPUModelRunner.load_model asks"),
+         why="whether --video-pruning-rate asks for pruning, as GPUModelRunner.load_model asks", platform="cpu"),
     Patch("vllm.model_executor.models.qwen3_vl:Qwen3VLForConditionalGeneration.recompute_mrope_positions",
           ("self", "input_ids", "multimodal_embeddings", "mrope_positions", "num_computed_tokens"),
           video_pruning.make_recompute_mrope_positions,
@@ -140,13 +170,14 @@ WORKER: tuple[Entry, ...] = (
           pipeline_parallel.make_compile_or_warm_up_model,
           why="a later pipeline stage copies the hidden states it receives into a buffer only the warm-up dummy run "
               "allocates, and the CPU worker skips that run in eager mode, so its first step fails an assertion: "
-              "allocate the buffer as the dummy run would (CPU platform only, later stages only, when missing)"),
+              "allocate the buffer as the dummy run would (CPU platform only, later stages only, when missing)",
+          platform="cpu"),
     Drains("vllm.v1.worker.gpu_model_runner:GPUModelRunner.sync_and_gather_intermediate_tensors",
            "intermediate_tensors",
-           why="the CPU fix above allocates the buffer this method copies a later stage's input into"),
+           why="the CPU fix above allocates the buffer this method copies a later stage's input into", platform="cpu"),
 )
 
-#: API servers: the stream API's endpoint plugin and the engine calls a stream makes.
+#: API servers, under every policy: the stream API's endpoint plugin and the engine calls a stream makes.
 API_SERVER: tuple[Entry, ...] = (
     Patch("vllm.entrypoints.launchers.app:attach_endpoint_plugins", ("app", "supported_tasks"),
           make_attach_endpoint_plugins,
@@ -169,7 +200,8 @@ API_SERVER: tuple[Entry, ...] = (
               "as long as the stream lives: keep the current turn's only"),
 )
 
-#: In-process engines (tests, benchmarks, the demo): driving a resumable request turn by turn.
+#: In-process engines (tests, benchmarks, the demo), under every policy: driving a resumable request turn by
+#: turn.
 IN_PROCESS: tuple[Entry, ...] = (
     Call("vllm.v1.engine.input_processor:InputProcessor.process_inputs",
          ("self", "request_id", "prompt", "params", "supported_tasks"), keywords=("resumable",),
@@ -190,13 +222,55 @@ IN_PROCESS: tuple[Entry, ...] = (
          why="the tasks a session turn is processed for"),
 )
 
+@dataclass(frozen=True)
+class Group:
+    """Entries installed together: ``name`` for the docs and the audit, ``under_none`` whether an engine process
+    running ``--kv-policy none`` needs them."""
+
+    name: str
+    entries: tuple[Entry, ...]
+    under_none: bool
+
+
+#: The table by group, in install order.
+GROUPS: tuple[Group, ...] = (
+    Group("start-up", STARTUP, under_none=True),
+    Group("engine core: session guard", SESSION_GUARD, under_none=True),
+    Group("engine core: policy", ENGINE_CORE, under_none=False),
+    Group("workers: policy", WORKER, under_none=False),
+    Group("workers: vLLM fixes", VLLM_FIXES, under_none=True),
+    Group("API servers", API_SERVER, under_none=True),
+    Group("in-process engines", IN_PROCESS, under_none=True),
+)
+
 #: The whole table, in install order.
-TABLE: tuple[Entry, ...] = (*STARTUP, *ENGINE_CORE, *WORKER, *API_SERVER, *IN_PROCESS)
+TABLE: tuple[Entry, ...] = tuple(e for g in GROUPS for e in g.entries)
 
 
-def install() -> None:
-    """Install the whole table (idempotent). Raises :class:`EngineSignatureError` on a foreign vLLM, before
-    anything is changed."""
+def current_platform_name() -> str:
+    """vLLM's platform of this process (``"cpu"``, ``"cuda"``, ``"rocm"``...), as vLLM itself resolves it."""
+    from vllm.platforms import current_platform
+
+    return str(current_platform.device_type)
+
+
+def install(platform: str | None = None) -> None:
+    """Install the table for this process (idempotent): the entries of ``platform`` (default: vLLM's current
+    platform), module by module as vLLM imports each; a policy's groups deferred while this process's engines run
+    ``none``. Raises :class:`EngineSignatureError` on a foreign vLLM, naming the function, before the module's
+    entries change anything."""
+    platform = platform or current_platform_name()
+    for group in GROUPS:
+        entries = for_platform(group.entries, platform)
+        if group.under_none:
+            install_when_imported(entries)
+        else:
+            engine_policy.unless_none(lambda entries=entries: install_when_imported(entries))
+
+
+def install_all() -> None:
+    """Resolve and install every entry of every platform now (imports each module): the check that the whole
+    table matches the installed vLLM, for tests. Never in a serving process."""
     install_entries(TABLE)
 
 
@@ -205,5 +279,5 @@ def patches() -> list[Patch]:
     return [e for e in TABLE if isinstance(e, Patch)]
 
 
-__all__ = ["API_SERVER", "ENGINE_CORE", "IN_PROCESS", "STARTUP", "TABLE", "WORKER", "EngineSignatureError",
-           "install", "installed", "patches"]
+__all__ = ["API_SERVER", "ENGINE_CORE", "GROUPS", "IN_PROCESS", "SESSION_GUARD", "STARTUP", "TABLE", "VLLM_FIXES",
+           "WORKER", "EngineSignatureError", "Group", "install", "install_all", "installed", "patches"]

@@ -80,6 +80,10 @@ class Patch:
         Parameter names that must exist anywhere in the signature.
     upstream:
         The file of ``patches/`` that makes the same change in vLLM itself, if any.
+    platform:
+        The one vLLM platform (``current_platform.device_type``: ``"cpu"``, ``"cuda"``...) whose processes need
+        it, or ``None`` for every platform. An entry of another platform is never resolved, so its module is
+        never imported.
     """
 
     target: str
@@ -88,17 +92,19 @@ class Patch:
     why: str
     keywords: tuple[str, ...] = ()
     upstream: str | None = None
+    platform: str | None = None
 
 
 @dataclass(frozen=True)
 class Call:
     """A vLLM function the plugin calls; checked at install, never changed. ``params``/``keywords`` as in
-    :class:`Patch`; ``why``: what the plugin uses it for."""
+    :class:`Patch`; ``why``: what the plugin uses it for; ``platform`` as in :class:`Patch`."""
 
     target: str
     params: tuple[str, ...]
     why: str
     keywords: tuple[str, ...] = ()
+    platform: str | None = None
 
 
 @dataclass(frozen=True)
@@ -110,6 +116,7 @@ class Field:
     default: Any
     why: str
     upstream: str | None = None
+    platform: str | None = None
 
 
 @dataclass(frozen=True)
@@ -120,6 +127,7 @@ class Drains:
     target: str
     attribute: str
     why: str
+    platform: str | None = None
 
 
 Entry = Patch | Call | Field | Drains
@@ -167,6 +175,29 @@ def install(entries: Sequence[Entry]) -> None:
             setattr(r.owner, r.attr, r.kind(wrapper) if r.kind is not None else wrapper)
         elif isinstance(r.entry, Field):
             setattr(r.owner, r.attr, r.entry.default)
+
+
+def module_of(entry: Entry) -> str:
+    """The vLLM module that holds ``entry``'s target."""
+    return entry.target.partition(":")[0]
+
+
+def for_platform(entries: Sequence[Entry], platform: str) -> list[Entry]:
+    """The entries a process of ``platform`` needs (those of every platform and its own)."""
+    return [e for e in entries if e.platform in (None, platform)]
+
+
+def install_when_imported(entries: Sequence[Entry]) -> None:
+    """Install ``entries`` module by module, each module's entries together (checked first, all or nothing) when
+    vLLM imports that module, or now for a module already imported. Nothing is imported to resolve an entry, so
+    an entry whose module this process never loads costs nothing and changes nothing."""
+    from cords_vllm.integration.import_hooks import when_imported
+
+    by_module: dict[str, list[Entry]] = {}
+    for entry in entries:
+        by_module.setdefault(module_of(entry), []).append(entry)
+    for module, group in by_module.items():
+        when_imported(module, lambda _module, group=tuple(group): install(group))
 
 
 def installed(entries: Sequence[Entry]) -> list[Entry]:

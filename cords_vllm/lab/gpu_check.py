@@ -3,19 +3,21 @@
 ``bash scripts/gpu-check.sh`` (which runs ``python -m cords_vllm.lab.gpu_check``) on a CUDA machine:
 
 1. **install** ``.[cuda,dev,ray]`` into its own virtualenv (``--venv``, default ``.venv-cuda``; ``--skip-install``
-   uses it, or the running Python, as it is), then continues under that environment's Python;
+   uses it, or the running Python, as it is; ``--no-install`` installs nothing and uses what the running Python
+   imports, for a GPU host with no network), then continues under that environment's Python;
 2. **CUDA device**: the one vLLM will use;
 3. **tiny model**: the tests' tiny Qwen2-VL (:func:`~cords_vllm.lab.synthetic.build_tiny_qwen2vl`), bf16;
-4. ``vllm serve <tiny> --kv-policy cords`` at vLLM's default CUDA settings (no ``--enforce-eager``: the
-   attention backend vLLM picks for bf16, async scheduling, the piecewise graphs the policy asks for), and
-   the same server with ``--kv-cache-dtype fp8``, the same with ``--distributed-executor-backend ray`` (the
-   plugin must load in Ray workers through its entry point: the worker-side compressions prove it), and
-   ``--kv-policy none`` once more for the comparison. Each
-   gets the same concurrent OpenAI chat completions with synthetic videos (some shorter than the budget,
-   some longer, so compressed) and one live stream through ``/v1/streams``, then ``/metrics`` is read
-   (``cords_vllm_compressions_total > 0`` under ``cords``) and every KV block must come back
-   (``vllm:kv_cache_usage_perc`` back to 0, no stream open);
-5. **cords = none**: the videos shorter than the budget get the same greedy tokens from both servers;
+4. per attention backend the plugin supports on CUDA (:data:`CUDA_BACKENDS`: FLASH_ATTN, TRITON_ATTN):
+   ``vllm serve <tiny>`` as plain vLLM with no plugin loaded (the control, :data:`PLAIN_ENV`), with
+   ``--kv-policy none`` (vLLM's own runner, Model Runner V2 on CUDA) and with ``--kv-policy cords``; on the first
+   backend also ``cords`` with ``--kv-cache-dtype fp8`` and on Ray (the plugin must load in Ray workers through
+   its entry point: the worker-side compressions prove it), and with ``--eager`` one ``cords`` server at vLLM's
+   default CUDA graphs. Each gets the same concurrent OpenAI chat completions with synthetic videos (some
+   shorter than the budget, some longer, so compressed) and one live stream through ``/v1/streams``, then
+   ``/metrics`` is read (``cords_vllm_compressions_total > 0`` under ``cords``, no ``cords_vllm_`` series at all
+   for plain vLLM) and every KV block must come back (``vllm:kv_cache_usage_perc`` back to 0, no stream open);
+5. **none = plain vLLM** and **cords = none**, per backend: the videos shorter than the budget get the same
+   greedy tokens, log-probabilities within bf16 noise (:data:`LOGPROB_TOL`);
 6. **HF exactness**: the compressed engine (in-process, fp32) equals the HF reference that drops the same
    tokens (:mod:`cords_vllm.lab.reference.exactness`);
 7. **CUDA-gated tests**: pytest on ``tests/compress`` and every test file skipped without CUDA.
@@ -88,7 +90,9 @@ def timed(step: str, fn: Callable[[], str]) -> Row:
         detail, result = str(exc), SKIP
     except Exception as exc:
         detail, result = (str(exc) if isinstance(exc, Fail) else f"{type(exc).__name__}: {exc}"), FAIL
-    return Row(step, result, time.perf_counter() - start, " ".join(detail.split()))
+    row = Row(step, result, time.perf_counter() - start, " ".join(detail.split()))
+    print(f"gpu-check: {row.result} {row.step} ({row.seconds:.1f} s) {row.detail[:300]}", file=sys.stderr, flush=True)
+    return row
 
 
 def format_table(rows: Sequence[Row], width: int = 150) -> str:
@@ -123,33 +127,64 @@ class Workload:
     stream_frames: int = 8
 
 
+#: The environment of the control server: vLLM loads no plugin (``VLLM_PLUGINS`` names none), as if cords-vllm's
+#: entry points were absent.
+PLAIN_ENV = {"VLLM_PLUGINS": ""}
+#: The CUDA attention backends the plugin supports that the check serves, each with plain vLLM, ``none`` and
+#: ``cords`` (the first also with fp8 KV, on Ray and with vLLM's default CUDA graphs).
+CUDA_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN")
+#: Flags of the CUDA servers, which run side by side on one GPU: a small share of its memory each.
+CUDA_FLAGS = ["--gpu-memory-utilization", "0.08", "--kv-cache-memory-bytes", str(1 << 30), "--max-model-len", "8192"]
+
+
 @dataclass(frozen=True)
 class ServerSpec:
-    """One ``vllm serve`` of the check."""
+    """One ``vllm serve`` of the check: ``policy`` ``None`` is plain vLLM (the control, no plugin loaded)."""
 
     label: str
-    policy: str
+    policy: str | None
     flags: tuple[str, ...]
     #: Why it cannot run here (the rows say SKIP with it), or ``None``.
     unavailable: str | None = None
+    #: The attention backend it asks for (``None``: vLLM's choice), the group its comparisons belong to.
+    backend: str | None = None
 
     def args(self) -> list[str]:
-        policy = ["--kv-policy", self.policy]
-        if self.policy != "none":
+        policy = [] if self.policy is None else ["--kv-policy", self.policy]
+        if self.policy not in (None, "none"):
             policy += ["--kv-policy-config", json.dumps({"budget": BUDGET, "slack": SLACK})]
-        return [*policy, *COMMON_FLAGS, *self.flags]
+        backend = ["--attention-backend", self.backend] if self.backend else []
+        if self.backend == "TRITON_ATTN":  # its vision encoder on torch's SDPA: no FlashAttention anywhere
+            backend += ["--mm-encoder-attn-backend", "TORCH_SDPA"]
+        return [*policy, *COMMON_FLAGS, *backend, *self.flags]
+
+    @property
+    def env(self) -> dict[str, str]:
+        return dict(PLAIN_ENV) if self.policy is None else {}
 
 
-def server_specs(cpu: bool) -> list[ServerSpec]:
-    """The servers: ``cords`` (bf16), ``none`` (bf16, the comparison), ``cords`` with fp8 KV, ``cords`` on Ray."""
-    base = tuple(CPU_FLAGS) if cpu else ()
+def server_specs(cpu: bool, eager: bool = False) -> list[ServerSpec]:
+    """The servers. Per attention backend (vLLM's own choice on CPU; each of :data:`CUDA_BACKENDS` on CUDA):
+    plain vLLM (the control), ``none`` and ``cords`` (bf16); on the first, ``cords`` with fp8 KV and on Ray too,
+    and on CUDA ``cords`` at vLLM's default settings (CUDA graphs) when the others run ``--eager``."""
+    base = tuple(CPU_FLAGS) if cpu else (*CUDA_FLAGS, *(["--enforce-eager"] if eager else []))
     fp8_missing = None
     if cpu and not cpu_has_avx512():
         fp8_missing = "fp8 KV on vLLM's CPU build needs AVX-512, which this CPU lacks"
-    return [ServerSpec("cords bf16", "cords", base), ServerSpec("none bf16", "none", base),
-            ServerSpec("cords bf16 + fp8 KV", "cords", (*base, "--kv-cache-dtype", "fp8"), fp8_missing),
-            ServerSpec("cords bf16 + Ray", "cords", (*base, "--distributed-executor-backend", "ray"),
-                       ray_missing(cpu))]
+    specs = []
+    for i, backend in enumerate([None] if cpu else CUDA_BACKENDS):
+        tag = f" {backend}" if backend else ""
+        specs += [ServerSpec(f"cords bf16{tag}", "cords", base, backend=backend),
+                  ServerSpec(f"none bf16{tag}", "none", base, backend=backend),
+                  ServerSpec(f"plain vLLM bf16{tag}", None, base, backend=backend)]
+        if i == 0:
+            specs += [ServerSpec(f"cords bf16 + fp8 KV{tag}", "cords", (*base, "--kv-cache-dtype", "fp8"), fp8_missing,
+                                 backend=backend),
+                      ServerSpec(f"cords bf16 + Ray{tag}", "cords", (*base, "--distributed-executor-backend", "ray"),
+                                 ray_missing(cpu), backend=backend)]
+            if eager and not cpu:
+                specs.append(ServerSpec(f"cords bf16 + CUDA graphs{tag}", "cords", tuple(CUDA_FLAGS), backend=backend))
+    return specs
 
 
 def ray_missing(cpu: bool) -> str | None:
@@ -179,7 +214,7 @@ class ServerRun:
 
     spec: ServerSpec
     rows: list[Row] = field(default_factory=list)
-    short_tokens: list[list[int]] | None = None
+    short_answers: list[Answer] | None = None
 
 
 def first_error(log: str) -> str:
@@ -203,23 +238,38 @@ def engine_settings(log: str) -> str:
         found.append(f"cudagraph {graphs.group(1)}")
     if dtype := re.search(r"kv_cache_dtype=(\w+)", log):
         found.append(f"kv {dtype.group(1)}")
+    if "Using V2 Model Runner" in log:
+        found.append("Model Runner V2")
     return ", ".join(found)
 
 
-def _chat(server: Any, model: str, frames: Any, max_tokens: int) -> list[int]:
+@dataclass(frozen=True)
+class Answer:
+    """One greedy answer: its tokens and each one's log-probability."""
+
+    tokens: list[int]
+    logprobs: list[float]
+
+
+def _chat(server: Any, model: str, frames: Any, max_tokens: int) -> Answer:
     from cords_vllm.lab.synthetic import jpeg_frames_data_url
 
     status, body = server.post_json("/v1/chat/completions", {
         "model": model, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "return_token_ids": True,
+        "logprobs": True, "top_logprobs": 1,
         "messages": [{"role": "user", "content": [
             {"type": "video_url", "video_url": {"url": jpeg_frames_data_url(frames)}},
             {"type": "text", "text": QUESTION}]}]})
     if status != 200:
         raise Fail(f"HTTP {status}: {str(body)[:200]}")
-    tokens = body["choices"][0].get("token_ids")
+    choice = body["choices"][0]
+    tokens = choice.get("token_ids")
     if tokens is None or len(tokens) != max_tokens:
         raise Fail(f"expected {max_tokens} tokens, got {tokens!r}")
-    return list(tokens)
+    logprobs = [c["logprob"] for c in (choice.get("logprobs") or {}).get("content") or []]
+    if len(logprobs) != max_tokens:
+        raise Fail(f"expected {max_tokens} log-probabilities, got {len(logprobs)}")
+    return Answer(list(tokens), logprobs)
 
 
 def _stream(server: Any, workload: Workload, compressed: bool) -> str:
@@ -267,7 +317,7 @@ def run_server(spec: ServerSpec, model_dir: str, workload: Workload, out: Path,
     if spec.unavailable:
         run.rows = [Row(f"{spec.label}: {n}", SKIP, 0.0, spec.unavailable) for n in names]
         return run
-    server = VLLMServer(model_dir, spec.args(), env=env, startup_timeout=600.0)
+    server = VLLMServer(model_dir, spec.args(), env={**spec.env, **(env or {})}, startup_timeout=600.0)
     rows = run.rows
 
     def serve() -> str:
@@ -321,24 +371,33 @@ def _workload_rows(run: ServerRun, server: Any, workload: Workload) -> None:
              for s in range(workload.short)]
     long = [make_video(workload.long_frames, workload.size, workload.size, seed=50 + s).frames
             for s in range(workload.long)]
-    compressed = spec.policy != "none"
+    compressed = spec.policy not in (None, "none")
     before = scrape(server.base_url).get("cords_vllm_compressions_total", 0.0)
 
     def chats() -> str:
         with concurrent.futures.ThreadPoolExecutor(len(short) + len(long)) as pool:
             futures = [pool.submit(_chat, server, model, f, workload.max_tokens) for f in [*short, *long]]
             results = [f.result() for f in futures]
-        run.short_tokens = results[: len(short)]
+        run.short_answers = results[: len(short)]
         return (f"{len(short)} videos of {workload.short_frames} frames (under the budget) and {len(long)} of "
                 f"{workload.long_frames} at once, {workload.max_tokens} greedy tokens each")
+
+    def stream() -> str:
+        if spec.policy is None:
+            raise Skip("plain vLLM has no /v1/streams (the control)")
+        return _stream(server, workload, compressed)
 
     # The chats and the stream run at the same time, each timed on its own.
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         chat_row = pool.submit(timed, f"{label}: video chats", chats)
-        stream_row = pool.submit(timed, f"{label}: live stream", lambda: _stream(server, workload, compressed))
+        stream_row = pool.submit(timed, f"{label}: live stream", stream)
         run.rows += [chat_row.result(), stream_row.result()]
 
     def compressions() -> str:
+        if spec.policy is None:
+            if any(name.startswith("cords_vllm_") for name in scrape(server.base_url)):
+                raise Fail("plain vLLM's /metrics has cords_vllm_ series: the plugin was loaded")
+            return "no cords_vllm_ series: the plugin is not loaded (the control)"
         if not compressed:
             count = scrape(server.base_url).get("cords_vllm_compressions_total", 0.0) - before
             if count:
@@ -358,8 +417,11 @@ def _workload_rows(run: ServerRun, server: Any, workload: Workload) -> None:
         deadline = time.monotonic() + 30
         while True:
             usage = scrape(server.base_url).get("vllm:kv_cache_usage_perc")
-            status, text = server.get("/v1/streams")
-            open_streams = len(json.loads(text).get("data", [])) if status == 200 else None
+            if spec.policy is None:
+                status, open_streams = 200, 0  # no stream API
+            else:
+                status, text = server.get("/v1/streams")
+                open_streams = len(json.loads(text).get("data", [])) if status == 200 else None
             if usage == 0.0 and open_streams == 0:
                 peak = scrape(server.base_url).get("cords_vllm_request_kv_blocks_peak", 0.0)
                 return f"vllm:kv_cache_usage_perc 0, no stream open (a request held at most {peak:g} blocks)"
@@ -372,20 +434,44 @@ def _workload_rows(run: ServerRun, server: Any, workload: Workload) -> None:
     run.rows.append(timed(f"{label}: KV blocks returned", blocks_returned))
 
 
-def compare_rows(cords: ServerRun, none: ServerRun) -> Row:
-    """The comparison row: the short videos' greedy tokens from ``cords`` equal those from ``none``."""
-    step = f"answers: {cords.spec.label} = {none.spec.label} (videos under the budget)"
+#: Greatest log-probability difference between two servers' greedy tokens taken as bf16 noise (batch order and
+#: kernel choice reorder bf16 sums).
+LOGPROB_TOL = 0.05
+
+
+def compare_rows(a: ServerRun, b: ServerRun, why: str = "videos under the budget") -> Row:
+    """The comparison row: the short videos get the same greedy tokens from ``a`` and ``b``, and log-probabilities
+    within :data:`LOGPROB_TOL`."""
+    step = f"answers: {a.spec.label} = {b.spec.label} ({why})"
 
     def compare() -> str:
-        if cords.short_tokens is None or none.short_tokens is None:
+        if a.short_answers is None or b.short_answers is None:
             raise Skip("a server's video chats failed")
-        for i, (a, b) in enumerate(zip(cords.short_tokens, none.short_tokens, strict=True)):
-            if a != b:
-                at = next(k for k, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
-                raise Fail(f"video {i}: tokens differ from position {at}: cords {a}, none {b}")
-        return f"{len(cords.short_tokens)} videos, the same {len(cords.short_tokens[0])} greedy tokens each"
+        worst = 0.0
+        for i, (x, y) in enumerate(zip(a.short_answers, b.short_answers, strict=True)):
+            if x.tokens != y.tokens:
+                at = next(k for k, (s, t) in enumerate(zip(x.tokens, y.tokens, strict=True)) if s != t)
+                raise Fail(f"video {i}: tokens differ from position {at}: {x.tokens} against {y.tokens}")
+            worst = max([worst, *(abs(p - q) for p, q in zip(x.logprobs, y.logprobs, strict=True))])
+        if worst > LOGPROB_TOL:
+            raise Fail(f"log-probabilities differ by up to {worst:.4f} (> {LOGPROB_TOL})")
+        return (f"{len(a.short_answers)} videos, the same {len(a.short_answers[0].tokens)} greedy tokens each, "
+                f"log-probabilities within {worst:.2g}")
 
     return timed(step, compare)
+
+
+def comparison_rows(runs: Sequence[ServerRun]) -> list[Row]:
+    """Per attention backend: ``none`` with the plugin = plain vLLM, and ``cords`` = ``none`` on videos under
+    the budget."""
+    rows = []
+    for backend in dict.fromkeys(r.spec.backend for r in runs):
+        group = {r.spec.policy: r for r in runs if r.spec.backend == backend and "+" not in r.spec.label}
+        if "none" in group and None in group:
+            rows.append(compare_rows(group["none"], group[None], "the plugin loaded, no policy"))
+        if "cords" in group and "none" in group:
+            rows.append(compare_rows(group["cords"], group["none"]))
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -442,7 +528,11 @@ def pytest_row(cpu: bool, out: Path) -> Row:
         if cpu:
             raise Skip("no CUDA device in --cpu mode (the CPU stand-ins run in the default suite)")
         files = cuda_gated_tests()
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *files],
+        import importlib.util
+
+        workers = ["-n", "4"] if importlib.util.find_spec("xdist") is not None else []  # one GPU, four processes
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *workers,
+                               *files],
                               cwd=REPO, env=_python_env(), capture_output=True, text=True, timeout=3600, check=False)
         (out / "pytest-cuda.log").write_text(proc.stdout + proc.stderr)
         last = [line for line in proc.stdout.splitlines() if line.strip()][-1:] or ["(no output)"]
@@ -506,6 +596,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="scripts/gpu-check.sh", description=__doc__.split("\n", 1)[0])
     p.add_argument("--cpu", action="store_true", help="run the steps on vLLM's CPU build (no install, no CUDA tests)")
     p.add_argument("--skip-install", action="store_true", help="use --venv (or this Python) as it is")
+    p.add_argument("--no-install", action="store_true",
+                   help="install nothing and use what this Python can import (a GPU host with no network or "
+                        "package index: vLLM brought in by hand, the project on PYTHONPATH)")
+    p.add_argument("--eager", action="store_true",
+                   help="serve with --enforce-eager (faster start-up); one cords server keeps vLLM's CUDA graphs")
     p.add_argument("--venv", type=Path, default=REPO / ".venv-cuda",
                    help="the virtualenv the GPU mode installs into and runs in (default: .venv-cuda)")
     p.add_argument("--out", type=Path, default=REPO / "gpu-check-out",
@@ -523,6 +618,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows: list[Row] = []
     if args.cpu:
         rows.append(Row("install .[cuda,dev,ray]", SKIP, 0.0, "--cpu uses the project's .venv (make setup)"))
+    elif args.no_install:
+        rows.append(Row("install .[cuda,dev,ray]", SKIP, 0.0, f"--no-install: {sys.executable} as it is"))
     elif args.install_row:
         rows.append(Row(**json.loads(args.install_row)))
     elif args.skip_install:
@@ -558,7 +655,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return report(rows, args, started)
 
     workload = Workload()
-    specs = server_specs(args.cpu)
+    specs = server_specs(args.cpu, args.eager)
     jobs = max(1, args.jobs or (3 if args.cpu else 1))
     # CPU servers started together each get cores of their own (OpenMP threads that share cores spin-wait)
     binds = cpu_binds(jobs) if args.cpu and jobs > 1 else []
@@ -570,8 +667,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         runs = [_result(f, spec) for f, spec in zip(servers, specs, strict=True)]
         for run in runs:
             rows.extend(run.rows)
-            if run.spec.label == "none bf16":
-                rows.append(compare_rows(runs[0], run))
+        rows.extend(comparison_rows(runs))
         rows.append(exact.result())
     rows.append(pytest_row(args.cpu, args.out))
     return report(rows, args, started)

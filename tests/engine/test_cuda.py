@@ -37,7 +37,7 @@ def test_compress_region_on_cuda_equals_cpu(policy, granularity):
             num_keep=6 * bs, num_keep_candidates=6 * bs - text, num_candidates=region * bs - text,
             group_size={"frame": frame, "block": bs}.get(granularity), frame_budget=8, frame_tokens=frame)
         setup = SelectionSetup(get_selector(policy), granularity, False, (0, 0, 2))
-        on = [c.to(device) for c in caches]
+        on = [c.to(device, copy=True) for c in caches]  # each pass compacts its own copy
         held = compress_region(on, [PagedAccessor.of(on[0], d)] * layers, [None] * layers, batch, setup,
                                generator=torch.Generator(device=device).manual_seed(0))
         results.append(([h.ids.cpu() for h in held], [c.cpu() for c in on]))
@@ -85,11 +85,25 @@ def test_compression_timer_reads_cuda_events_without_waiting():
 
     timer = CompressionTimer.for_device(torch.device("cuda"))
     assert timer.on_device
-    x = torch.randn(2048, 2048, device="cuda")
-    mark = timer.start()
-    for _ in range(20):
-        x = x @ x / 2048
-    timer.stop("a", mark)
+    x = torch.randn(4096, 4096, device="cuda")
     torch.cuda.synchronize()
-    (timing,) = timer.completed()
-    assert timing.req_id == "a" and timing.seconds > 0
+    mark = timer.start()
+    for _ in range(50):
+        x = x @ x / 4096
+    timer.stop("a", mark)
+    torch.cuda.set_sync_debug_mode("error")  # reading the events never waits for the device
+    try:
+        early = timer.completed()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    late = timer.completed()
+    (timing,) = early + late
+    assert timing.req_id == "a" and timing.seconds > 0 and timer.failure is None and timer.pending == 0
+    # the same events read directly agree with the timer (record, query, elapsed_time of torch.cuda.Event)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    x = x @ x
+    end.record()
+    end.synchronize()
+    assert end.query() and start.elapsed_time(end) > 0

@@ -99,9 +99,8 @@ def test_calls_fields_and_drains_are_checked_before_anything_changes(fake_module
 
 def test_one_table_holds_every_vllm_function_the_plugin_wraps_or_calls():
     from cords_vllm.integration import patches
-    from cords_vllm.plugin import register
 
-    register()
+    patches.install_all()  # every entry of every platform matches this vLLM
     wrapped = [e for e in patches.TABLE if isinstance(e, Patch | Field)]
     assert installed(patches.TABLE) == wrapped
     for entry in patches.TABLE:
@@ -112,8 +111,44 @@ def test_one_table_holds_every_vllm_function_the_plugin_wraps_or_calls():
     private = {e.target for e in patches.TABLE
                if isinstance(e, Call) and e.target.partition(":")[2].rsplit(".", 1)[-1].startswith("_")}
     assert "vllm.v1.core.kv_cache_utils:_pool_bytes_per_block" in private
-    # every process installs the same table: the start-up, engine-core, worker and API-server parts together
-    assert {*patches.STARTUP, *patches.ENGINE_CORE, *patches.WORKER, *patches.API_SERVER} <= set(patches.TABLE)
+    assert [e for g in patches.GROUPS for e in g.entries] == list(patches.TABLE)
+    # a policy's groups are the only ones an engine under none leaves out
+    assert {g.name for g in patches.GROUPS if not g.under_none} == {"engine core: policy", "workers: policy"}
+    assert {e.platform for e in patches.TABLE} == {None, "cpu"}
+
+
+def test_entries_are_installed_when_their_module_is_imported_and_never_import_it(tmp_path, monkeypatch):
+    from cords_vllm.integration import import_hooks
+    from cords_vllm.integration.patching import install_when_imported
+
+    (tmp_path / "late_vllm_module.py").write_text("class Runner:\n    def step(self):\n        return 'stepped'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    entry = Patch("late_vllm_module:Runner.step", ("self",), _tagging("t"), why="test")
+    install_when_imported([entry])
+    assert "late_vllm_module" not in sys.modules and "late_vllm_module" in import_hooks.watched()
+    import late_vllm_module
+
+    assert late_vllm_module.Runner().step() == ("t", "stepped")
+    assert "late_vllm_module" not in import_hooks.watched()
+    assert late_vllm_module.__loader__.get_source("late_vllm_module").startswith("class Runner")
+    install_when_imported([entry])  # already imported: installed at once, and only once
+    assert late_vllm_module.Runner().step() == ("t", "stepped")
+    monkeypatch.delitem(sys.modules, "late_vllm_module")
+
+
+def test_a_policy_announced_none_defers_the_policy_groups_until_one_is_enabled(monkeypatch):
+    from cords_vllm.integration import engine_policy
+
+    monkeypatch.setenv(engine_policy.ENV, "none")
+    ran = []
+    engine_policy.unless_none(lambda: ran.append("policy hooks"))
+    assert ran == [] and engine_policy.deferred() == 1
+    engine_policy.announce("none")
+    assert ran == []
+    engine_policy.announce("cords")
+    assert ran == ["policy hooks"] and engine_policy.deferred() == 0
+    engine_policy.unless_none(lambda: ran.append("again"))
+    assert ran == ["policy hooks", "again"]
 
 
 def test_the_plugin_installs_nothing_but_the_one_table():

@@ -59,3 +59,46 @@ def test_device_timer_reads_events_only_once_complete_and_in_order() -> None:
     FakeEvent.completed_until = 35.0
     assert [(t.req_id, t.seconds) for t in timer.completed()] == [("b", 0.005)]
     assert timer.pending == 0
+
+
+class RecordOnlyEvent:
+    """What vLLM's CPU worker puts in place of ``torch.cuda.Event`` when it is imported: ``record`` and no more."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def record(self, stream: object = None) -> None:
+        pass
+
+
+class FailingEvent(FakeEvent):
+    def elapsed_time(self, end: FakeEvent) -> float:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+def test_a_timing_failure_costs_the_metric_never_the_step(caplog) -> None:
+    """The GPU run's crash (``'_EventPlaceholder' object has no attribute 'query'``) and an event that fails to
+    read: the timer logs once, drops what it held and stops measuring; start, stop and completed never raise."""
+    for factory, cause in ((RecordOnlyEvent, "AttributeError"), (FailingEvent, "illegal memory access")):
+        FakeEvent.clock_ms = FakeEvent.completed_until = 0.0
+        timer = CompressionTimer(factory)
+        timer.stop("a", timer.start())
+        FakeEvent.completed_until = 1.0
+        with caplog.at_level("WARNING"):
+            assert timer.completed() == []
+        assert timer.failure is not None and cause in timer.failure and timer.pending == 0
+        assert caplog.text.count("compression timing is off") == 1
+        timer.stop("b", timer.start())  # later compressions go on unmeasured
+        assert timer.completed() == [] and timer.pending == 0
+        caplog.clear()
+
+
+def test_an_event_that_cannot_be_made_or_recorded_costs_the_metric_only() -> None:
+    def broken() -> FakeEvent:
+        raise RuntimeError("CUDA driver version is insufficient")
+
+    timer = CompressionTimer(broken)
+    mark = timer.start()
+    assert mark is None and "creating or recording" in timer.failure
+    timer.stop("a", mark)
+    assert timer.completed() == []

@@ -11,9 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm.v1.core import kv_cache_utils
-
-from cords_vllm.config import KVPolicyConfig
+from cords_vllm.config import KVPolicyConfig, KVPolicyConfigError
+from cords_vllm.integration import engine_policy
 from cords_vllm.integration.attach import Attached
 from cords_vllm.integration.engine_core.ending import RequestEnder
 from cords_vllm.integration.engine_core.observers import HeldKVObserver, StepObserver
@@ -45,6 +44,12 @@ _MANAGER_COMPRESSOR: Attached[SchedulerCompressor | None] = Attached("KV cache m
 
 def _create_hooks(scheduler: Any) -> SchedulerHooks:
     policy = policy_of(scheduler.vllm_config)
+    if policy is not None and engine_policy.announced() == "none":
+        # its workers were started without the policy's hooks: compressing here would free blocks they still read
+        raise KVPolicyConfigError(
+            f"this engine runs --kv-policy {policy.policy}, but its processes were started as for --kv-policy none "
+            f"({engine_policy.ENV}=none): build the engine through EngineArgs (vllm serve, LLM(...)), which "
+            "announces its policy, or set the variable to the policy's name")
     publisher = Publisher("scheduler")
     compressor = SchedulerCompressor(policy, scheduler, publisher) if policy else None
     _MANAGER_COMPRESSOR.set(scheduler.kv_cache_manager, compressor)
@@ -122,6 +127,8 @@ def make_max_memory_usage(original: Callable) -> Callable:
         for group in groups:
             bs = group.kv_cache_spec.block_size
             blocks += min(policy.stream_footprint_blocks(max_len, bs), cdiv(max_len, bs))
+        from vllm.v1.core import kv_cache_utils  # the module this wrapper patches: imported already
+
         return kv_cache_utils._pool_bytes_per_block(vllm_config, groups) * blocks
     return _max_memory_usage_bytes_from_groups
 

@@ -10,12 +10,14 @@ import logging
 import os
 from typing import Any
 
-#: fp32, eager, small KV pool: what exactness tests and small benchmarks use on CPU.
+#: fp32, eager, small KV pool: what exactness tests and small benchmarks use on CPU. On a GPU the engine asks for
+#: a tenth of its memory (vLLM's default is 0.9), so it starts beside servers and other engines on the same GPU.
 DEFAULT_LLM_KWARGS: dict[str, Any] = {
     "dtype": "float32",
     "enforce_eager": True,
     "max_model_len": 8192,
     "kv_cache_memory_bytes": 256 << 20,
+    "gpu_memory_utilization": 0.1,
     "limit_mm_per_prompt": {"image": 0, "video": 1},
     "seed": 0,
 }

@@ -12,7 +12,8 @@ patch table (:mod:`cords_vllm.integration.patches`) wraps three ``EngineArgs`` m
   ``LLM(..., additional_config=...)`` get the same start-up errors as the flags, applies the engine
   settings an enabled policy needs (:mod:`cords_vllm.integration.startup.engine_args`), checks the policy against the
   model in the ``VllmConfig`` vLLM built (:mod:`cords_vllm.integration.startup.checks`), and logs one INFO line naming
-  the policy, every setting in force and every engine setting it changed.
+  the policy, every setting in force and every engine setting it changed. It also announces the policy to the
+  engine processes vLLM is about to start (:mod:`cords_vllm.integration.engine_policy`).
 
 With ``--kv-policy none`` (the default) nothing is added to ``additional_config``. The ``--kv-stream*`` flags
 configure the stream API (:mod:`cords_vllm.integration.api_server.streams`), which runs in the API server and reads them
@@ -35,6 +36,7 @@ from cords_vllm.config import (
     KVPolicyConfigError,
     available_policies,
 )
+from cords_vllm.integration import engine_policy
 from cords_vllm.integration.startup.checks import (
     EngineFacts,
     check_engine,
@@ -124,6 +126,8 @@ def checked_engine_config(engine_args: Any, create: Callable[..., Any], *args: A
     Raises :class:`KVPolicyConfigError` for an invalid policy or one the model cannot serve.
     """
     policy = KVPolicyConfig.from_additional_config(engine_args.additional_config)
+    # before vLLM starts this engine's processes, which inherit it (and install the policy's hooks or none)
+    engine_policy.announce(policy.policy if policy.enabled else "none")
     changes = adjust_engine_args(engine_args, policy)
     if policy.enabled:
         # As asked for, before vLLM or the platform adjusts it (vLLM's CPU build turns DBO off by itself): a setting

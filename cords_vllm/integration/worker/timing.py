@@ -5,10 +5,15 @@ On a CPU the compress step runs synchronously, so the host's clock around it is 
 compression is bracketed by two CUDA events recorded on the current stream; their elapsed time is read once the
 end event has completed (``Event.query()``, which never blocks), at the next step or publication. Nothing here
 synchronises the device.
+
+A timing failure costs the metric, never a request: the first error from an event (created, recorded, queried
+or read) is logged once, the pending measurements are dropped and the timer stops measuring; the compressions
+go on.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
@@ -16,6 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -37,6 +44,8 @@ class CompressionTimer:
         self.event_factory = event_factory
         self._pending: deque[tuple[str, Any, Any]] = deque()
         self._done: list[Timing] = []
+        #: Why the timer stopped measuring (the first error an event raised), or ``None``.
+        self.failure: str | None = None
 
     @classmethod
     def for_device(cls, device: torch.device) -> CompressionTimer:
@@ -51,11 +60,18 @@ class CompressionTimer:
         return self.event_factory is not None
 
     def start(self) -> Any:
-        """Mark a compression's start (an event recorded on the current stream, or the host clock)."""
+        """Mark a compression's start (an event recorded on the current stream, or the host clock); ``None`` once
+        the timer has failed."""
         if self.event_factory is None:
             return time.perf_counter()
-        event = self.event_factory()
-        event.record()
+        if self.failure is not None:
+            return None
+        try:
+            event = self.event_factory()
+            event.record()
+        except Exception as exc:
+            self._fail("creating or recording its start event", exc)
+            return None
         return event
 
     def stop(self, req_id: str, start: Any) -> None:
@@ -63,18 +79,35 @@ class CompressionTimer:
         if self.event_factory is None:
             self._done.append(Timing(req_id, time.perf_counter() - start))
             return
-        end = self.event_factory()
-        end.record()
+        if start is None or self.failure is not None:
+            return
+        try:
+            end = self.event_factory()
+            end.record()
+        except Exception as exc:
+            self._fail("recording its end event", exc)
+            return
         self._pending.append((req_id, start, end))
 
     def completed(self) -> list[Timing]:
         """Compressions measured since the last call, oldest first: on a device, those whose end event has
         completed (events complete in stream order, so the first incomplete one ends the scan)."""
-        while self._pending and self._pending[0][2].query():
-            req_id, start, end = self._pending.popleft()
-            self._done.append(Timing(req_id, start.elapsed_time(end) / 1e3))
+        try:
+            while self._pending and self._pending[0][2].query():
+                req_id, start, end = self._pending[0]
+                seconds = start.elapsed_time(end) / 1e3
+                self._pending.popleft()
+                self._done.append(Timing(req_id, seconds))
+        except Exception as exc:
+            self._fail("reading a finished compression's events", exc)
         done, self._done = self._done, []
         return done
+
+    def _fail(self, what: str, exc: Exception) -> None:
+        self.failure = f"{what}: {type(exc).__name__}: {exc}"
+        self._pending.clear()
+        logger.warning("cords-vllm: compression timing is off for this worker (%s); selection_seconds stops "
+                       "counting, compressions go on", self.failure)
 
     @property
     def pending(self) -> int:
