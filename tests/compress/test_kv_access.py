@@ -16,6 +16,15 @@ from cords_vllm.integration.worker.cpu_layout import accessor_for_layer, cpu_til
 
 BLOCKS, HEADS, BS, D, LAYERS = 5, 2, 16, 8, 3
 
+def _cpu_build() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+#: The CPU attention backend's tiles and its write op exist in vLLM's CPU build only.
+cpu_build_only = pytest.mark.skipif(not _cpu_build(), reason="vLLM's CPU attention op exists in its CPU build only")
+
 ISAS = [("vec", torch.float32), ("vec", torch.bfloat16)]
 if torch.cpu._is_amx_tile_supported():
     ISAS.append(("amx", torch.bfloat16))
@@ -65,6 +74,7 @@ def test_paged_accessor_matches_every_backend_and_layout(backend: str, layout: K
         assert not views[other].any()
 
 
+@cpu_build_only
 @pytest.mark.parametrize(("isa", "dtype"), ISAS)
 def test_cpu_tile_accessor_reads_the_backends_writes_and_back(isa: str, dtype: torch.dtype) -> None:
     from vllm import _custom_ops as ops
@@ -84,6 +94,7 @@ def test_cpu_tile_accessor_reads_the_backends_writes_and_back(isa: str, dtype: t
     assert torch.equal(accessor.read(cache, slots[:10])[0], -keys[:10])
 
 
+@cpu_build_only
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
 @pytest.mark.parametrize(("isa", "dtype"), [i for i in ISAS if i[1] == torch.bfloat16])
 def test_cpu_tile_accessor_reads_the_backends_fp8_writes(isa: str, dtype: torch.dtype, kv_cache_dtype: str) -> None:
@@ -111,6 +122,7 @@ def test_cpu_tile_accessor_reads_the_backends_fp8_writes(isa: str, dtype: torch.
     assert torch.equal(accessor.read(cache, slots[10:20])[0], raw_k)
 
 
+@cpu_build_only
 def test_cpu_layouts_really_differ_between_isas() -> None:
     if not torch.cpu._is_amx_tile_supported():
         pytest.skip("no AMX on this CPU")

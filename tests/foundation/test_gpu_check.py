@@ -16,14 +16,16 @@ from cords_vllm.lab.gpu_check import FAIL, PASS, SKIP, Fail, Row, Skip, first_er
 REPO = Path(__file__).resolve().parents[2]
 
 #: Rows skipped on CPU by design; every other row must pass.
-CPU_SKIPS = {"install .[cuda,dev,ray]", "CUDA-gated tests (pytest)",
+CPU_SKIPS = {"install .[cuda,dev,ray]", "CUDA-gated tests (pytest)", "plain vLLM bf16: live stream",
              *(f"cords bf16 + Ray: {part}" for part in ("serve", "video chats", "live stream",
                                                          "/metrics compressions", "KV blocks returned"))}
 #: Rows the check must have (a step silently dropped would pass otherwise).
 REQUIRED = [
     "tiny model (bf16)",
-    *(f"{server}: {part}" for server in ("cords bf16", "none bf16", "cords bf16 + fp8 KV", "cords bf16 + Ray")
+    *(f"{server}: {part}" for server in ("cords bf16", "none bf16", "plain vLLM bf16", "cords bf16 + fp8 KV",
+                                         "cords bf16 + Ray")
       for part in ("serve", "video chats", "live stream", "/metrics compressions", "KV blocks returned")),
+    "answers: none bf16 = plain vLLM bf16 (the plugin loaded, no policy)",
     "answers: cords bf16 = none bf16 (videos under the budget)",
     "HF exactness (fp32, compressed engine = HF reference)",
 ]
@@ -57,7 +59,7 @@ def test_cpu_mode_passes_every_step_and_prints_one_table(tmp_path):
     assert proc.stdout.count("step ") == 1 and "0 failed" in proc.stdout  # one table, on stdout
     assert "cudagraph NONE, kv fp8" in rows["cords bf16 + fp8 KV: serve"]["detail"]
     assert sorted(p.name for p in tmp_path.glob("serve-*.log")) == [
-        "serve-cords-bf16-fp8-kv.log", "serve-cords-bf16.log", "serve-none-bf16.log"]
+        "serve-cords-bf16-fp8-kv.log", "serve-cords-bf16.log", "serve-none-bf16.log", "serve-plain-vllm-bf16.log"]
 
 
 def test_a_step_that_raises_fails_alone_and_the_table_says_why():
@@ -91,3 +93,42 @@ def test_the_cuda_gated_tests_include_every_file_skipped_without_cuda():
     gated = gpu_check.cuda_gated_tests()
     assert {"tests/compress", "tests/engine/test_cuda.py", "tests/selection/test_selector_contract.py"} <= set(gated)
     assert "tests/foundation/test_config.py" not in gated
+
+
+def _answer(tokens, logprobs, runner_up=None):
+    """An answer whose token ``t`` reads ``"t"``; ``runner_up``: ``{position: (token, logprob)}``."""
+    texts = [str(t) for t in tokens]
+    top = [{texts[k]: logprobs[k]} for k in range(len(tokens))]
+    for k, (token, lp) in (runner_up or {}).items():
+        top[k][str(token)] = lp
+    return gpu_check.Answer(list(tokens), list(logprobs), top, texts)
+
+
+def test_answers_agree_on_every_token_or_up_to_a_near_tie():
+    same = _answer([1, 2, 3], [-0.1, -0.2, -0.3])
+    assert gpu_check.agreement(same, _answer([1, 2, 3], [-0.1, -0.21, -0.3])) == (pytest.approx(0.01), None)
+    # a near-tie: each server's choice is the other's runner-up, equally likely within bf16 noise
+    a = _answer([1, 2, 5, 5], [-0.1, -0.69, -0.69, -0.2], {2: (7, -0.71)})
+    b = _answer([1, 2, 7, 7], [-0.1, -0.69, -0.70, -0.1], {2: (5, -0.70)})
+    assert gpu_check.agreement(a, b)[1] == 2
+    # a real difference: the other server's choice is far less likely here
+    c = _answer([1, 2, 7, 7], [-0.1, -0.69, -0.1, -0.1], {2: (5, -2.5)})
+    with pytest.raises(Fail, match="not as a near-tie"):
+        gpu_check.agreement(a, c)
+    with pytest.raises(Fail, match="position 1"):
+        gpu_check.agreement(same, _answer([1, 2, 3], [-0.1, -0.5, -0.3]))
+
+
+def test_each_attention_backend_compares_none_with_plain_vllm_and_cords_with_none():
+    specs = gpu_check.server_specs(cpu=False, eager=True)
+    runs = [gpu_check.ServerRun(s, short_answers=[_answer([1, 2], [-0.1, -0.2])]) for s in specs]
+    rows = gpu_check.comparison_rows(runs)
+    assert [r.step for r in rows] == [
+        f"answers: {a} bf16 {b} = {c} bf16 {b} ({why})" for b in gpu_check.CUDA_BACKENDS
+        for a, c, why in (("none", "plain vLLM", "the plugin loaded, no policy"), ("cords", "none",
+                                                                                  "videos under the budget"))]
+    assert all(r.result == PASS for r in rows)
+    plain = [s for s in specs if s.policy is None]
+    assert len(plain) == 2 and all(s.env == {"VLLM_PLUGINS": ""} and "--kv-policy" not in s.args() for s in plain)
+    assert {s.backend for s in specs} == set(gpu_check.CUDA_BACKENDS)
+    assert any("--enforce-eager" not in s.args() for s in specs if s.policy == "cords")  # CUDA graphs too

@@ -24,6 +24,16 @@ from typing import Any
 
 #: fp32 log-prob agreement of engine and reference; the uncompressed HF-vs-vLLM floor is ~1e-6 on CPU.
 TOLERANCE = 2e-4
+#: The same on a CUDA GPU, whose fp32 kernels (attention, GEMM) sum in other orders: an H100 measured 2.4e-4
+#: with the negative control at 0.27.
+CUDA_TOLERANCE = 1e-3
+
+
+def default_tolerance() -> float:
+    """:data:`CUDA_TOLERANCE` where the engine runs on a CUDA GPU, else :data:`TOLERANCE`."""
+    import torch
+
+    return CUDA_TOLERANCE if torch.cuda.is_available() else TOLERANCE
 #: The negative control must differ by at least this many tolerances.
 CONTROL_FACTOR = 50
 
@@ -102,7 +112,7 @@ def _gap(engine_logprobs: Sequence[dict[int, float]], reference_logits: Any) -> 
 
 
 def compressed_engine_vs_reference(model_dir: str, *, frames: int = 48, budget: int = 256, slack: int = 64,
-                                   max_tokens: int = 6, tolerance: float = TOLERANCE,
+                                   max_tokens: int = 6, tolerance: float | None = None,
                                    engine_kwargs: dict[str, Any] | None = None) -> ExactnessResult:
     """Run the compressed engine on one synthetic video and compare it with the reference (both fp32).
 
@@ -144,7 +154,7 @@ def compressed_engine_vs_reference(model_dir: str, *, frames: int = 48, budget: 
     control = reference.run(prompt, video, max_new_tokens=max_tokens, forced_tokens=tokens)
     return ExactnessResult(compressions=len(events), engine_tokens=tokens, reference_tokens=ref.token_ids,
                            worst_gap=_gap(logprobs, ref.logits), control_gap=_gap(logprobs, control.logits),
-                           tolerance=tolerance)
+                           tolerance=default_tolerance() if tolerance is None else tolerance)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("model", help="a Qwen2-VL checkpoint directory (e.g. the tiny one the tests build)")
     parser.add_argument("--frames", type=int, default=48, help="frames of the synthetic video (default: %(default)s)")
-    parser.add_argument("--tolerance", type=float, default=TOLERANCE, help="log-prob bound (default: %(default)s)")
+    parser.add_argument("--tolerance", type=float, default=None,
+                        help=f"log-prob bound (default: {TOLERANCE} on CPU, {CUDA_TOLERANCE} on a CUDA GPU)")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON line")
     args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
