@@ -194,6 +194,9 @@ API_SERVER: tuple[Entry, ...] = (
          why="decode a pushed frame the way vLLM decodes an image_url part"),
     Call("vllm.multimodal.media.video:VideoMediaIO.load_bytes", ("self", "data"),
          why="decode a pushed clip the way vLLM decodes a video_url part"),
+    Call("vllm.multimodal.video_decoders.opencv:OpenCVVideoBackendMixin.get_cv2_video_api", (),
+         why="open a pushed clip on the OpenCV backend vLLM's loader uses, to read its frame count and size from its "
+             "header before any frame is decoded"),
     Patch("vllm.v1.engine.output_processor:RequestState.apply_streaming_update", ("self", "update"),
           make_apply_streaming_update,
           why="the output processor appends every turn's prompt to a resumable request's prompt_token_ids, for "

@@ -95,6 +95,7 @@ REVIEWED_MODULES = {
     "common": {
         "vllm.engine.arg_utils", "vllm.entrypoints.launchers.app", "vllm.model_executor.models.qwen3_vl",
         "vllm.multimodal.media.image", "vllm.multimodal.media.video", "vllm.multimodal.registry",
+        "vllm.multimodal.video_decoders.opencv",
         "vllm.v1.core.block_pool", "vllm.v1.core.kv_cache_manager", "vllm.v1.core.kv_cache_utils",
         "vllm.v1.core.sched.output", "vllm.v1.core.sched.request_queue", "vllm.v1.core.sched.scheduler",
         "vllm.v1.engine.async_llm", "vllm.v1.engine.core_client", "vllm.v1.engine.input_processor",

@@ -73,7 +73,11 @@ class RequestEnder:
         for request in waiting:
             if request.request_id in self.ending:
                 continue
-            reason = length_reason(request, self.max_model_len) or (check(request) if check else None)
+            try:
+                reason = length_reason(request, self.max_model_len) or (check(request) if check else None)
+            except Exception as exc:  # the policy's check broke on this request: it alone ends, with the reason
+                logger.exception("cords-vllm: checking request %s failed", request.request_id)
+                reason = f"the KV policy could not check it ({type(exc).__name__}: {exc})"
             if reason is not None:
                 self.end(scheduler, request, reason)
 

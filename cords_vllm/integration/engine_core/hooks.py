@@ -78,6 +78,10 @@ def make_schedule(original: Callable) -> Callable:
         hooks.ender.end_unservable(self, comp.invalid_reason if comp is not None else None)
         if comp is not None:
             comp.before_schedule(self)
+            for req_id, reason in comp.failed.items():  # the policy failed on these: each ends alone
+                if (request := self.requests.get(req_id)) is not None:
+                    hooks.ender.end(self, request, reason)
+            comp.failed.clear()
         output = original(self, *args, **kwargs)
         if comp is not None:
             comp.after_schedule(output)

@@ -73,6 +73,8 @@ class SchedulerCompressor:
         self.trackers: dict[str, RequestTracker] = {}
         self.pending: list[CompressionPlan | RebasePlan] = []
         self.publisher = publisher
+        #: Requests whose compression failed this step, and why: the scheduler's hooks end each alone.
+        self.failed: dict[str, str] = {}
 
     def tracker(self, request: Any) -> RequestTracker:
         tracker = self.trackers.get(request.request_id)
@@ -87,8 +89,12 @@ class SchedulerCompressor:
             state = self.trackers.pop(req_id).state
             logger.debug("cords-vllm: request %s done: %d compressions, %d candidate tokens evicted", req_id,
                          state.compressions, state.evicted_tokens)
-        for request in scheduler.running:
-            self._maybe_compress(request)
+        for request in list(scheduler.running):
+            try:
+                self._maybe_compress(request)
+            except Exception as exc:  # planning failed before anything changed: this request alone ends
+                logger.exception("cords-vllm: compressing request %s failed", request.request_id)
+                self.failed[request.request_id] = f"the KV policy could not compress it ({type(exc).__name__}: {exc})"
 
     def _maybe_compress(self, request: Any) -> None:
         tracker = self.tracker(request)

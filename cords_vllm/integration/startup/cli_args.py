@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -76,18 +77,39 @@ def add_kv_policy_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     group.add_argument("--kv-stream-max-open", type=_positive(int), default=64, metavar="N",
                        help="Most streams open at once on one API server (default 64).")
     group.add_argument("--kv-stream-max-frames", type=_positive(int), default=256, metavar="N",
-                       help="Most frames one append may carry (default 256).")
+                       help="Most frames one append may carry (default 256); counted before any is decoded (413).")
+    group.add_argument("--kv-stream-max-body-mb", type=_positive(float), default=64.0, metavar="MB",
+                       help="Largest request body of the stream API, in MiB (default 64): refused with 413 before "
+                            "it is read.")
+    group.add_argument("--kv-stream-body-timeout", type=_positive(float), default=60.0, metavar="SECONDS",
+                       help="Seconds a stream request's body may take to arrive (default 60), else 408.")
+    group.add_argument("--kv-stream-max-decoding", type=_positive(int), default=2, metavar="N",
+                       help="Pushes decoded at once on one API server (default 2); later ones wait their turn.")
+    group.add_argument("--kv-stream-max-question-chars", type=_positive(int), default=4096, metavar="N",
+                       help="Longest question one ask may carry, in characters (default 4096), else 413.")
+    group.add_argument("--kv-stream-max-per-key", type=_non_negative(int), default=0, metavar="N",
+                       help="Most streams one API key may hold open (default 0: no per-key limit), else 429.")
     return parser
 
 
+
 def _positive(kind: type) -> Callable[[str], Any]:
+    return _bounded(kind, strict=True)
+
+
+def _non_negative(kind: type) -> Callable[[str], Any]:
+    return _bounded(kind, strict=False)
+
+
+def _bounded(kind: type, *, strict: bool) -> Callable[[str], Any]:
+    """An argparse type: a finite ``kind`` above 0 (``strict``) or at least 0."""
     def parse(text: str) -> Any:
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        if not math.isfinite(value) or value < 0 or (strict and value == 0):
+            raise argparse.ArgumentTypeError(f"must be a finite number {'>' if strict else '>='} 0, got {text}")
         return value
     return parse
 

@@ -19,15 +19,20 @@ offending field. Routes live under ``/v1``, so vLLM's ``--api-key`` middleware g
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from typing import Any
 
-from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import APIRouter, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import StreamingResponse
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from cords_vllm.conversation.text_budget import TextRoomExceeded
@@ -35,38 +40,83 @@ from cords_vllm.integration.api_server.streams.frames import (
     IMAGE_TYPES,
     VIDEO_TYPES,
     FrameError,
+    FrameLimits,
     check_frame_size,
     decode_clip,
     decode_image,
     parse_data_url,
     stack_frames,
+    vllm_max_image_pixels,
 )
 from cords_vllm.integration.api_server.streams.live import LiveStream, StreamEnded, TurnTooLong
 from cords_vllm.integration.api_server.streams.registry import StreamNotFound, StreamRegistry, TooManyStreams
 from cords_vllm.integration.api_server.streams.siblings import FORWARDED_HEADER, LINK_KEY, SiblingLink
 from cords_vllm.integration.published import HeldKV, read_published
 
+logger = logging.getLogger(__name__)
+
 STATE_KEY = "cords_vllm_streams"
-router = APIRouter(prefix="/v1/streams", tags=["streams (cords-vllm)"])
+
+
+class StreamRoute(APIRoute):
+    """A stream route: a body that fails validation is answered 400 with vLLM's error body, ``param`` naming the
+    field, in text that can always be encoded (a lone surrogate in a key or value is shown escaped)."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def route(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except RequestValidationError as exc:
+                return validation_error(exc).response()
+            except HTTPException as exc:  # FastAPI's own refusal of a body it cannot parse (e.g. not UTF-8)
+                return APIError(exc.status_code, _safe(str(exc.detail), 300), "body").response()
+
+        return route
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    """The 400 of a body that fails validation: the first error, its field as ``param``."""
+    errors = exc.errors()
+    if not errors:
+        return APIError(400, "invalid request body", "body")
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    field = _safe(".".join(loc), 80) if loc else "body"
+    return APIError(400, f"invalid field {field!r}: {_safe(str(first.get('msg', 'invalid')), 300)}", field)
+
+
+router = APIRouter(prefix="/v1/streams", tags=["streams (cords-vllm)"], route_class=StreamRoute)
 
 
 # ------------------------------------------------------------------------------------------------------
 # Request and response bodies
+#: The slowest and fastest camera a stream may declare: every frame's time (``index / fps``) and what the processor
+#: derives from it (Qwen2.5-VL's seconds per temporal patch, Qwen3-VL's timestamps) stay finite and in range.
+MIN_FPS, MAX_FPS = 0.01, 1000.0
+#: The sampling seeds the engine takes (a 64-bit generator seed, kept signed-safe).
+MAX_SEED = (1 << 63) - 1
+#: The largest per-stream override of a token count (the server's own settings bound it further).
+MAX_OVERRIDE = 1 << 31
+
+
 class KVPolicyOverrides(BaseModel):
     """Per-stream narrowing of the server's policy: each value at most the server's."""
 
     model_config = ConfigDict(extra="forbid")
-    budget: int | None = Field(None, ge=1, description="video tokens kept after compression")
-    recent: int | None = Field(None, ge=0, description="newest video tokens always kept")
+    budget: int | None = Field(None, ge=1, le=MAX_OVERRIDE, description="video tokens kept after compression")
+    recent: int | None = Field(None, ge=0, le=MAX_OVERRIDE, description="newest video tokens always kept")
 
 
 class OpenStreamRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     kv_policy: KVPolicyOverrides | None = None
-    metadata: dict[str, str] | None = Field(None, description="free-form labels shown in listings")
-    fps: float | None = Field(None, gt=0, le=1000,
-                              description="the camera's frames per second (default 2): every frame's time, which "
-                                          "Qwen2.5-VL's positions and Qwen3-VL's timestamps follow")
+    metadata: dict[str, str] | None = Field(None, description="free-form labels shown in listings (limits: "
+                                                              "docs/streams-api.md#limits)")
+    fps: float | None = Field(None, ge=MIN_FPS, le=MAX_FPS, allow_inf_nan=False,
+                              description="the camera's frames per second (default 2; 0.01 to 1000): every frame's "
+                                          "time, which Qwen2.5-VL's positions and Qwen3-VL's timestamps follow")
 
 
 class AppendFramesRequest(BaseModel):
@@ -80,9 +130,9 @@ class AppendFramesRequest(BaseModel):
 class AskRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     question: str = Field(..., min_length=1)
-    max_tokens: int = Field(16, ge=1)
-    temperature: float = Field(0.0, ge=0.0, le=2.0)
-    seed: int | None = None
+    max_tokens: int = Field(16, ge=1, le=MAX_OVERRIDE)
+    temperature: float = Field(0.0, ge=0.0, le=2.0, allow_inf_nan=False)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stream: bool = False
 
 
@@ -161,12 +211,14 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
         self.kind = kind or {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-                             409: "ConflictError", 410: "GoneError", 413: "RequestTooLargeError",
+                             408: "RequestTimeoutError", 409: "ConflictError", 410: "GoneError",
+                             413: "RequestTooLargeError",
                              415: "UnsupportedMediaTypeError", 429: "RateLimitError"}.get(status, "Error")
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(status_code=self.status, content={"error": {
-            "message": self.message, "type": self.kind, "param": self.param, "code": self.status}})
+    def response(self) -> Response:
+        # ASCII JSON: any text a client sent (a lone surrogate included) is escaped, never an encoding error
+        return Response(status_code=self.status, media_type="application/json", content=json.dumps({"error": {
+            "message": self.message, "type": self.kind, "param": self.param, "code": self.status}}))
 
 
 def _registry(request: Request) -> StreamRegistry:
@@ -176,9 +228,21 @@ def _registry(request: Request) -> StreamRegistry:
     return registry
 
 
+def owner_key(request: Request) -> str | None:
+    """The API key a request carries (``Authorization: Bearer <key>``), hashed: the owner of the streams it opens.
+    ``None`` without one."""
+    auth = request.headers.get("authorization")
+    if not auth:
+        return None
+    token = auth[7:] if auth[:7].lower() == "bearer " else auth
+    return hashlib.sha256(token.strip().encode("utf-8", "surrogateescape")).hexdigest()
+
+
 def _stream(request: Request, stream_id: str, *, alive: bool = True) -> LiveStream:
     try:
         stream = _registry(request).get(stream_id)
+        if stream.owner != owner_key(request):  # another key's stream does not exist for this one
+            raise StreamNotFound(stream_id)
     except StreamNotFound as exc:
         raise APIError(404, str(exc), "stream_id") from None
     if alive and stream.ended:
@@ -223,6 +287,51 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         (501, "this server's model cannot be streamed (`error.message` says why)"))}
 
 
+def _safe(text: str, most: int = 80) -> str:
+    """``text`` as it can be shown in an error (no lone surrogates, cut to ``most`` characters)."""
+    shown = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return shown if len(shown) <= most else shown[: most - 3] + "..."
+
+
+def _valid_text(text: str, field: str) -> None:
+    """Refuse (400) text that is not valid Unicode: a lone surrogate cannot be encoded, shown or tokenised."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError(400, f"{field} is not valid Unicode text (it holds a lone surrogate)", field) from None
+
+
+def check_metadata(metadata: Mapping[str, str] | None, limits: Any) -> None:
+    """Refuse metadata past its limits (413) or that is not valid text (400), naming the field."""
+    if not metadata:
+        return
+    if len(metadata) > limits.max_metadata_items:
+        raise APIError(413, f"{len(metadata)} metadata labels; at most {limits.max_metadata_items}", "metadata")
+    for key, value in metadata.items():
+        field = f"metadata.{_safe(key, 40)}"
+        _valid_text(key, field)
+        _valid_text(value, field)
+        if not key or len(key) > limits.max_metadata_key_chars:
+            raise APIError(413 if key else 400, f"a metadata key has 1 to {limits.max_metadata_key_chars} "
+                                                 f"characters; this one has {len(key)}", field)
+        if len(value) > limits.max_metadata_value_chars:
+            raise APIError(413, f"a metadata value has at most {limits.max_metadata_value_chars} characters; this "
+                                f"one has {len(value)}", field)
+
+
+def check_question(question: str, registry: StreamRegistry) -> None:
+    """Refuse a question too long (413), not valid text (400), or holding a control token's text (400): a
+    client's text never becomes a control or placeholder token of the stream's transcript."""
+    limit = registry.limits.max_question_chars
+    if len(question) > limit:
+        raise APIError(413, f"the question has {len(question)} characters; at most {limit} "
+                            "(--kv-stream-max-question-chars)", "question")
+    _valid_text(question, "question")
+    if found := next((t for t in registry.control_texts if t in question), None):
+        raise APIError(400, f"the question holds {found!r}, the text of one of the model's control tokens; a "
+                            "question is plain text: leave it out", "question")
+
+
 @router.post("", status_code=201, response_model=StreamObject, responses=_ERRORS,
              summary="Open a live video stream")
 async def open_stream(request: Request, body: OpenStreamRequest | None = None) -> Any:
@@ -230,23 +339,36 @@ async def open_stream(request: Request, body: OpenStreamRequest | None = None) -
     if registry.unsupported is not None:
         raise APIError(501, registry.unsupported, kind="NotImplementedError")
     body = body or OpenStreamRequest()
+    check_metadata(body.metadata, registry.limits)  # before anything changes: a refused open leaves nothing
     overrides = body.kv_policy.model_dump(exclude_none=True) if body.kv_policy else {}
     if overrides:
         error = registry.check_overrides(overrides)
         if error is not None:
             raise APIError(400, error[1], f"kv_policy.{error[0]}")
     try:
-        stream = registry.open(overrides=overrides or None, metadata=body.metadata, fps=body.fps)
+        stream = registry.open(overrides=overrides or None, metadata=body.metadata, fps=body.fps,
+                               owner=owner_key(request))
     except TooManyStreams as exc:
         raise APIError(429, str(exc)) from None
     return describe(registry, stream, {})
+
+
+def _described(registry: StreamRegistry, streams: list[LiveStream], held: Mapping[str, HeldKV]) -> list[Any]:
+    """Each stream's view; one that cannot be described is logged and left out, never failing the listing."""
+    data = []
+    for stream in streams:
+        try:
+            data.append(describe(registry, stream, held))
+        except Exception:
+            logger.exception("cords-vllm: stream %s cannot be listed", stream.id)
+    return data
 
 
 @router.get("", response_model=StreamList, responses=_ERRORS, summary="List open streams and the KV each holds")
 async def list_streams(request: Request) -> Any:
     registry = _registry(request)
     held = read_published().streams
-    data: list[Any] = [describe(registry, s, held) for s in list(registry.streams.values())]
+    data: list[Any] = _described(registry, registry.owned_by(owner_key(request)), held)
     link: SiblingLink | None = getattr(request.app.state, LINK_KEY, None)
     if link is not None and FORWARDED_HEADER not in request.headers:  # every API server's streams
         data.extend(StreamObject.model_validate(item) for item in await link.gather(list(request.headers.items())))
@@ -330,8 +452,8 @@ async def _decode_body(request: Request, registry: StreamRegistry) -> Any:
         except json.JSONDecodeError:
             raise APIError(400, "the body is not valid JSON", "body") from None
         except ValueError as exc:
-            field = _first_loc(exc)
-            raise APIError(400, f"invalid field {field!r}: {exc}".splitlines()[0], field) from None
+            field = _safe(_first_loc(exc))
+            raise APIError(400, _safe(f"invalid field {field!r}: {exc}".splitlines()[0], 300), field) from None
         items, clip = body.frames or [], body.video
     else:
         raise APIError(415, f"content type {content_type!r} is not supported; send application/json or "
@@ -343,32 +465,41 @@ async def _decode_body(request: Request, registry: StreamRegistry) -> Any:
         raise APIError(413, f"{len(items)} frames in one push; at most {limits.max_frames_per_push} "
                             f"(--kv-stream-max-frames)", "frames")
     try:
-        return await asyncio.to_thread(_decode, items, clip, limits)
+        async with registry.decoding:  # pushes decoded at once on this API server are bounded
+            return await asyncio.to_thread(_decode, items, clip, limits)
     except FrameError as exc:
-        raise APIError(400, str(exc), exc.field) from None
+        raise APIError(exc.status, str(exc), exc.field) from None
+
+
+def _max_pixels(stream_limit: int) -> int:
+    """The tighter of the stream's frame-size limit and vLLM's ``VLLM_MAX_IMAGE_PIXELS`` (0: no limit)."""
+    vllm_limit = vllm_max_image_pixels()
+    return min(stream_limit, vllm_limit) if vllm_limit > 0 else stream_limit
 
 
 def _decode(items: list[Any], clip: Any, limits: Any) -> Any:
+    """The push's frames, ``[T, H, W, 3]``, each limit checked before the work it bounds."""
+    frame_limits = FrameLimits(limits.max_frames_per_push, _max_pixels(limits.max_frame_pixels))
     if items:
         images = []
         for i, item in enumerate(items):
             if isinstance(item, tuple):  # an uploaded file: (bytes, field)
-                images.append(decode_image(item[0], item[1]))
+                images.append(decode_image(item[0], item[1], frame_limits.max_pixels))
             else:
                 _, data = parse_data_url(_image_url(item), f"frames[{i}]", IMAGE_TYPES)
-                images.append(decode_image(data, f"frames[{i}]"))
+                images.append(decode_image(data, f"frames[{i}]", frame_limits.max_pixels))
         frames = stack_frames(images, "frames")
         field = "frames"
     else:
         if isinstance(clip, tuple):
             media_type = clip[1] if clip[1] in VIDEO_TYPES else "video/mp4"
-            frames = decode_clip(media_type, clip[0], "video")
+            frames = decode_clip(media_type, clip[0], "video", frame_limits)
         else:
             media_type, data = parse_data_url(clip, "video", VIDEO_TYPES)
-            frames = decode_clip(media_type, data, "video")
+            frames = decode_clip(media_type, data, "video", frame_limits)
         field = "video"
     if len(frames) > limits.max_frames_per_push:
-        raise FrameError(field, f"{len(frames)} frames in one push; at most {limits.max_frames_per_push}")
+        raise FrameError(field, f"{len(frames)} frames in one push; at most {limits.max_frames_per_push}", 413)
     check_frame_size(frames, field, min_side=limits.min_frame_side, max_pixels=limits.max_frame_pixels)
     return frames
 
@@ -394,6 +525,7 @@ def _first_loc(exc: Exception) -> str:
 async def ask(request: Request, stream_id: str, body: AskRequest) -> Any:
     registry = _registry(request)
     stream = _stream(request, stream_id)
+    check_question(body.question, registry)
     if body.max_tokens > registry.limits.max_answer_tokens:
         raise APIError(400, f"max_tokens is {body.max_tokens}; at most {registry.limits.max_answer_tokens}",
                        "max_tokens")

@@ -1,7 +1,12 @@
 """Decoding the frames a client appends to a stream: images (JPEG/PNG) or a short clip, into one array.
 
-Pure and synchronous (the API runs it in a worker thread). Every failure is a :class:`FrameError` that names
-the offending field (``frames[3]``, ``video``), so the API answers a 4xx saying which input was wrong.
+Synchronous (the API runs it in a worker thread). Every failure is a :class:`FrameError` that names the offending
+field (``frames[3]``, ``video``) and its status, so the API answers a 4xx saying which input was wrong.
+
+Every limit is checked before the work it bounds: an image's size is read from its header before it is decoded
+(vLLM's own rule, ``VLLM_MAX_IMAGE_PIXELS``, and the stream's frame-size limit), and a clip's frame count and
+frame size before any frame is decoded (a ``video/jpeg`` clip's parts are counted; a container's header is read
+through vLLM's own OpenCV capture, and no more frames than it declares are decoded).
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ import base64
 import binascii
 import io
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -19,12 +25,40 @@ VIDEO_TYPES = ("video/jpeg", "video/mp4", "video/webm", "video/x-matroska", "vid
 
 
 class FrameError(ValueError):
-    """Frames that cannot be used; ``field`` names the request field (e.g. ``frames[2]``)."""
+    """Frames that cannot be used; ``field`` names the request field (e.g. ``frames[2]``), ``status`` the HTTP
+    status the API answers (400: malformed; 413: past a size limit)."""
 
-    def __init__(self, field: str, message: str) -> None:
+    def __init__(self, field: str, message: str, status: int = 400) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
         self.message = message
+        self.status = status
+
+
+@dataclass(frozen=True)
+class FrameLimits:
+    """What one push may carry: ``max_frames`` frames of at most ``max_pixels`` pixels (``0``: no pixel limit)."""
+
+    max_frames: int
+    max_pixels: int
+
+
+def vllm_max_image_pixels() -> int:
+    """vLLM's limit on one image's (or video frame's) pixels, ``VLLM_MAX_IMAGE_PIXELS`` (0: none)."""
+    import vllm.envs as envs
+
+    return int(envs.VLLM_MAX_IMAGE_PIXELS)
+
+
+def _check_pixels(width: int, height: int, field: str, max_pixels: int) -> None:
+    if max_pixels > 0 and width * height > max_pixels:
+        raise FrameError(field, f"frames are {width}x{height} = {width * height} pixels; at most {max_pixels} (the "
+                                "stream's frame-size limit and VLLM_MAX_IMAGE_PIXELS)", 413)
+
+
+def _check_count(count: int, field: str, max_frames: int) -> None:
+    if count > max_frames:
+        raise FrameError(field, f"{count} frames in one push; at most {max_frames} (--kv-stream-max-frames)", 413)
 
 
 def parse_data_url(url: str, field: str, allowed: Sequence[str]) -> tuple[str, bytes]:
@@ -54,42 +88,86 @@ def _b64decode(payload: str, field: str) -> bytes:
         raise FrameError(field, "the data is not valid base64") from None
 
 
-def decode_image(data: bytes, field: str) -> np.ndarray:
-    """One JPEG/PNG image -> ``[H, W, 3]`` uint8 RGB."""
+def decode_image(data: bytes, field: str, max_pixels: int = 0) -> np.ndarray:
+    """One JPEG/PNG image -> ``[H, W, 3]`` uint8 RGB; its size is read from the header and checked against
+    ``max_pixels`` (413) before anything is decoded."""
+    import warnings
+
     from PIL import Image, UnidentifiedImageError
 
     if not data:
         raise FrameError(field, "the image is empty")
     try:
-        with Image.open(io.BytesIO(data)) as image:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # the size is checked below, first
+            image_file = Image.open(io.BytesIO(data))
+        with image_file as image:
             if image.format not in ("JPEG", "PNG"):
                 raise FrameError(field, f"image format {image.format} is not supported; send JPEG or PNG")
+            _check_pixels(*image.size, field, max_pixels)
             return np.asarray(image.convert("RGB"))
-    except (UnidentifiedImageError, OSError, SyntaxError):
+    except Image.DecompressionBombError:  # PIL's own guard, past twice its MAX_IMAGE_PIXELS
+        raise FrameError(field, "the image declares more pixels than PIL decodes (a decompression bomb)", 413) from None
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
+        if isinstance(exc, FrameError):
+            raise
         raise FrameError(field, "cannot be decoded as a JPEG or PNG image") from None
 
 
-def decode_clip(media_type: str, data: bytes, field: str) -> np.ndarray:
+def decode_clip(media_type: str, data: bytes, field: str, limits: FrameLimits | None = None) -> np.ndarray:
     """A short clip -> ``[T, H, W, 3]`` uint8 RGB, every frame of it.
 
-    ``video/jpeg`` is comma-joined base64 JPEGs (vLLM's own form); other types are decoded by vLLM's video
-    loader.
+    ``video/jpeg`` is comma-joined base64 JPEGs (vLLM's own form): its parts are counted before any is decoded.
+    Other types are decoded by vLLM's video loader once the container's header has said how many frames of what
+    size it holds (:func:`clip_header`), and no more frames than it declared are decoded.
     """
+    limits = limits or FrameLimits(max_frames=1 << 30, max_pixels=0)
     if media_type == "video/jpeg":
+        _check_count(data.count(b",") + 1, field, limits.max_frames)
         parts = data.decode().split(",")
-        return stack_frames([decode_image(_b64decode(p, f"{field}[{i}]"), f"{field}[{i}]")
+        return stack_frames([decode_image(_b64decode(p, f"{field}[{i}]"), f"{field}[{i}]", limits.max_pixels)
                              for i, p in enumerate(parts)], field)
+    count, width, height = clip_header(data, media_type, field)
+    _check_count(count, field, limits.max_frames)
+    _check_pixels(width, height, field, limits.max_pixels)
     from vllm.multimodal.media.image import ImageMediaIO
     from vllm.multimodal.media.video import VideoMediaIO
 
     try:
-        decoded = VideoMediaIO(ImageMediaIO(), num_frames=-1).load_bytes(data)
+        decoded = VideoMediaIO(ImageMediaIO(), num_frames=count).load_bytes(data)
     except Exception as exc:  # the loaders raise many types for corrupt input
         raise FrameError(field, f"cannot be decoded as a {media_type} clip ({type(exc).__name__})") from None
     frames = np.asarray(decoded.media[0])
     if frames.ndim != 4 or frames.shape[0] == 0:
         raise FrameError(field, "the clip has no frames")
+    _check_count(len(frames), field, limits.max_frames)
+    _check_pixels(frames.shape[2], frames.shape[1], field, limits.max_pixels)
     return np.ascontiguousarray(frames[..., :3].astype(np.uint8, copy=False))
+
+
+def clip_header(data: bytes, media_type: str, field: str) -> tuple[int, int, int]:
+    """``(frames, width, height)`` a container clip declares, read by OpenCV's stream capture on vLLM's backend
+    without decoding a frame. A clip that does not declare its frame count is refused (400): its decoding could not
+    be bounded."""
+    import cv2
+    from vllm.multimodal.video_decoders.opencv import OpenCVVideoBackendMixin
+
+    source = io.BytesIO(data)  # referenced here while the capture reads it (OpenCV keeps no reference)
+    try:
+        capture = cv2.VideoCapture(source, OpenCVVideoBackendMixin.get_cv2_video_api(), [])
+        if not capture.isOpened():
+            raise ValueError("could not open the stream")
+    except Exception as exc:
+        raise FrameError(field, f"cannot be decoded as a {media_type} clip ({type(exc).__name__})") from None
+    try:
+        count = int(capture.get(cv2.CAP_PROP_FRAME_COUNT))
+        width, height = int(capture.get(cv2.CAP_PROP_FRAME_WIDTH)), int(capture.get(cv2.CAP_PROP_FRAME_HEIGHT))
+    finally:
+        capture.release()
+    if count <= 0:
+        raise FrameError(field, f"the {media_type} clip does not declare its frame count; send its frames as "
+                                "images or a clip whose header says how many frames it holds")
+    return count, width, height
 
 
 def stack_frames(frames: Sequence[np.ndarray], field: str) -> np.ndarray:
@@ -105,9 +183,8 @@ def stack_frames(frames: Sequence[np.ndarray], field: str) -> np.ndarray:
 
 
 def check_frame_size(frames: np.ndarray, field: str, *, min_side: int, max_pixels: int) -> None:
-    """Reject frames smaller than ``min_side`` on a side or larger than ``max_pixels`` pixels."""
+    """Reject frames smaller than ``min_side`` on a side (400) or larger than ``max_pixels`` pixels (413)."""
     _, height, width, _ = frames.shape
     if min(height, width) < min_side:
         raise FrameError(field, f"frames are {width}x{height}; each side must be at least {min_side} pixels")
-    if height * width > max_pixels:
-        raise FrameError(field, f"frames are {width}x{height} = {height * width} pixels; at most {max_pixels}")
+    _check_pixels(width, height, field, max_pixels)

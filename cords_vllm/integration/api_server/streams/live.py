@@ -164,10 +164,15 @@ class LiveStream:
         self.ended: str | None = None
         #: The most KV blocks the stream can hold (set by the registry when it admits the stream).
         self.footprint_blocks = 0
+        #: The API key that opened it, hashed (set by the registry; ``None``: opened without a key).
+        self.owner: str | None = None
         self.pending_frames: np.ndarray | None = None
         self._inputs: asyncio.Queue[Any] = asyncio.Queue()
         self._turn: Turn | None = None
         self._slot = asyncio.Lock()
+        #: Pushes and questions, one at a time in arrival order (asyncio's lock is first come, first served): each
+        #: push's frame times follow the previous push's.
+        self._order = asyncio.Lock()
         self._pump: asyncio.Task | None = None
 
     # ----------------------------------------------------------------------------------------------
@@ -271,8 +276,13 @@ class LiveStream:
 
         An odd trailing frame waits for the next push (a clip holds whole temporal patches); returns the
         frames this push sent to the engine. A push refused for text room
-        (:class:`~cords_vllm.conversation.text_budget.TextRoomExceeded`) leaves the stream as it was.
+        (:class:`~cords_vllm.conversation.text_budget.TextRoomExceeded`) leaves the stream as it was. Concurrent
+        pushes (and questions) run one at a time, in arrival order.
         """
+        async with self._order:
+            return await self._append(frames)
+
+    async def _append(self, frames: np.ndarray) -> int:
         received, pending = len(frames), self.pending_frames
         if pending is not None:
             if pending.shape[1:] == frames.shape[1:]:
@@ -303,7 +313,12 @@ class LiveStream:
 
     async def ask(self, question: str, *, max_tokens: int, temperature: float = 0.0,
                   seed: int | None = None) -> Turn:
-        """Ask ``question`` about everything streamed so far; returns the answering turn."""
+        """Ask ``question`` about everything streamed so far; returns the answering turn (queued after the pushes
+        that arrived before it)."""
+        async with self._order:
+            return await self._ask(question, max_tokens, temperature, seed)
+
+    async def _ask(self, question: str, max_tokens: int, temperature: float, seed: int | None) -> Turn:
         if self.pending_frames is not None:  # a held-back odd frame is shown before the question
             pending, self.pending_frames = self.pending_frames, None
             try:
@@ -330,7 +345,7 @@ class LiveStream:
     @property
     def busy(self) -> bool:
         """A turn is running or queued."""
-        return self._turn is not None or self._slot.locked()
+        return self._turn is not None or self._slot.locked() or self._order.locked()
 
     def idle_seconds(self) -> float:
         return 0.0 if self.busy else time.monotonic() - self.last_active

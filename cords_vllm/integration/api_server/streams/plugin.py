@@ -19,6 +19,7 @@ from typing import Any
 from cords_vllm.config import KVPolicyConfig
 from cords_vllm.conversation.text_budget import protected_token_counter
 from cords_vllm.integration.api_server.streams.api import STATE_KEY, APIError, router
+from cords_vllm.integration.api_server.streams.body import BodyLimits
 from cords_vllm.integration.api_server.streams.ledger import PoolLedger
 from cords_vllm.integration.api_server.streams.registry import StreamLimits, StreamRegistry
 from cords_vllm.integration.api_server.streams.siblings import LINK_KEY, SiblingLink, StreamForwarding
@@ -44,10 +45,17 @@ def streams_enabled(args: argparse.Namespace | None) -> bool:
 
 def limits_from_args(args: argparse.Namespace) -> StreamLimits:
     defaults = StreamLimits()
+    body_mb = getattr(args, "kv_stream_max_body_mb", None)
+    per_key = getattr(args, "kv_stream_max_per_key", None)
     return StreamLimits(
         idle_timeout_s=getattr(args, "kv_stream_idle_timeout", None) or defaults.idle_timeout_s,
         max_streams=getattr(args, "kv_stream_max_open", None) or defaults.max_streams,
         max_frames_per_push=getattr(args, "kv_stream_max_frames", None) or defaults.max_frames_per_push,
+        max_body_bytes=int(body_mb * (1 << 20)) if body_mb else defaults.max_body_bytes,
+        body_timeout_s=getattr(args, "kv_stream_body_timeout", None) or defaults.body_timeout_s,
+        max_decoding=getattr(args, "kv_stream_max_decoding", None) or defaults.max_decoding,
+        max_question_chars=getattr(args, "kv_stream_max_question_chars", None) or defaults.max_question_chars,
+        max_streams_per_key=per_key if per_key is not None else defaults.max_streams_per_key,
     )
 
 
@@ -61,6 +69,7 @@ class StreamsPlugin:
         app.include_router(router)
         app.add_exception_handler(APIError, lambda _request, exc: exc.response())
         app.add_middleware(StreamForwarding)  # a no-op until init_state links several API servers
+        app.add_middleware(BodyLimits)  # outermost (a relayed body too); acts once init_state has the registry
         app.state.cords_vllm_app = app  # init_state gets only the state; the sibling socket serves the app
 
     async def init_state(self, engine_client: Any, state: Any, args: argparse.Namespace) -> None:
@@ -85,6 +94,7 @@ class StreamsPlugin:
                                   turn_tokens=turn_counter(encode, facts, vllm_config, _tokenizer(engine_client)),
                                   ledger=ledger)
         registry.unsupported, registry.markup = facts.streams_unsupported, facts.chat_markup
+        registry.control_texts = control_texts(_tokenizer(engine_client))
         setattr(state, STATE_KEY, registry)
         if count > 1:
             link = SiblingLink(index, count, shared_dir)
@@ -125,6 +135,17 @@ def _tokenizer(engine_client: Any) -> Any:
         return engine_client.get_tokenizer()
     except Exception:  # e.g. --skip-tokenizer-init
         return None
+
+
+def control_texts(tokenizer: Any) -> tuple[str, ...]:
+    """The text of the tokenizer's special and added tokens (``<|im_end|>``, ``<|video_pad|>``, ``<video>``...),
+    longest first: the texts a question may not hold. Plain-word added tokens are left out."""
+    if tokenizer is None:
+        return ()
+    texts = set(getattr(tokenizer, "all_special_tokens", None) or ())
+    texts |= {getattr(t, "content", str(t)) for t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values()}
+    return tuple(sorted((t for t in texts if t and not t.replace("_", "").isalnum() and not t.isspace()),
+                        key=lambda t: (-len(t), t)))
 
 
 def _encoder(engine_client: Any) -> Callable[[str], list[int]] | None:

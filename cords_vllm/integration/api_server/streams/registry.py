@@ -22,7 +22,7 @@ from typing import Any
 from cords_vllm.config import REQUEST_OVERRIDES_KEY, KVPolicyConfig, KVPolicyConfigError
 from cords_vllm.conversation.text_budget import TextBudget
 from cords_vllm.conversation.transcript import Markup
-from cords_vllm.integration.api_server.streams.ledger import PoolLedger, TooManyStreams  # noqa: F401 (re-exported)
+from cords_vllm.integration.api_server.streams.ledger import PoolLedger, TooManyStreams
 from cords_vllm.integration.api_server.streams.live import LiveStream
 from cords_vllm.integration.api_server.streams.turn_tokens import TurnCounter
 from cords_vllm.utils import cdiv
@@ -62,6 +62,20 @@ class StreamLimits:
     #: Smallest frame side (pixels) and largest frame (pixels).
     min_frame_side: int = 28
     max_frame_pixels: int = 1920 * 1080
+    #: Largest request body (bytes), refused with 413 before it is read (``--kv-stream-max-body-mb``).
+    max_body_bytes: int = 64 << 20
+    #: Seconds a request body may take to arrive, else 408 (``--kv-stream-body-timeout``).
+    body_timeout_s: float = 60.0
+    #: Pushes decoded at once on this API server; later ones wait their turn (``--kv-stream-max-decoding``).
+    max_decoding: int = 2
+    #: Longest question, in characters (``--kv-stream-max-question-chars``).
+    max_question_chars: int = 4096
+    #: Most streams one API key may hold open; ``0``: no per-key limit (``--kv-stream-max-per-key``).
+    max_streams_per_key: int = 0
+    #: A stream's metadata: at most this many labels, of keys and values at most this many characters.
+    max_metadata_items: int = 16
+    max_metadata_key_chars: int = 64
+    max_metadata_value_chars: int = 256
 
 
 class StreamNotFound(KeyError):
@@ -125,7 +139,11 @@ class StreamRegistry:
         self.expired = 0
         #: Why recently removed streams went (bounded), so a late client is told "expired", not "unknown".
         self.gone: OrderedDict[str, str] = OrderedDict()
+        #: The served tokenizer's control tokens as text (special and added tokens): a question holding one is
+        #: refused, so a client's text never becomes a control or placeholder token of the transcript.
+        self.control_texts: tuple[str, ...] = ()
         self._reaper: asyncio.Task | None = None
+        self._decoding: asyncio.Semaphore | None = None
 
     def footprint_blocks(self, overrides: dict[str, Any] | None = None) -> int:
         """The most KV blocks one stream (with these ``kv_policy`` overrides) can ever hold."""
@@ -179,8 +197,15 @@ class StreamRegistry:
                 "available_streams": max(0, min(cap - open_streams, room)), "engines": engines,
                 "engine_pool_blocks": self.pool_blocks, "engine_committed_blocks": committed}
 
-    def open(self, *, overrides: dict[str, Any] | None = None, **kwargs: Any) -> LiveStream:
-        """A new stream (raises :class:`TooManyStreams` at the cap or when no engine's pool has room)."""
+    def open(self, *, overrides: dict[str, Any] | None = None, owner: str | None = None, **kwargs: Any
+             ) -> LiveStream:
+        """A new stream of ``owner`` (the API key that opens it, hashed; ``None`` without one). Raises
+        :class:`TooManyStreams` at the cap, at the per-key limit, or when no engine's pool has room, before
+        anything changes."""
+        per_key = self.limits.max_streams_per_key
+        if per_key and owner is not None and sum(s.owner == owner for s in self.streams.values()) >= per_key:
+            raise TooManyStreams(f"this API key holds {per_key} open streams, the most one key may hold "
+                                 "(--kv-stream-max-per-key): close one first")
         self._sync_ledger()
         footprint = self.footprint_blocks(overrides)
         sid = stream_id(self.ledger.index)
@@ -191,9 +216,21 @@ class StreamRegistry:
                             turn_tokens=self.turn_tokens, max_model_len=self.max_model_len,
                             engine_index=engine if self.ledger.engines > 1 else None, markup=self.markup, **kwargs)
         stream.footprint_blocks = footprint
+        stream.owner = owner
         self.streams[stream.id] = stream
         self._ensure_reaper()
         return stream
+
+    def owned_by(self, owner: str | None) -> list[LiveStream]:
+        """The open streams ``owner`` may see (its own)."""
+        return [s for s in list(self.streams.values()) if s.owner == owner]
+
+    @property
+    def decoding(self) -> asyncio.Semaphore:
+        """Bounds the pushes decoded at once on this API server (``max_decoding``); made in the serving loop."""
+        if self._decoding is None:
+            self._decoding = asyncio.Semaphore(self.limits.max_decoding)
+        return self._decoding
 
     def check_overrides(self, overrides: dict[str, Any]) -> tuple[str, str] | None:
         """``(key, message)`` when a stream's ``kv_policy`` overrides are not allowed here, else ``None``."""
