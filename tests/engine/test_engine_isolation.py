@@ -5,7 +5,9 @@ engine core (in-process engine: an exception that escaped ``Scheduler.schedule``
   infinite) reach the engine through ``EngineSession`` here: the scheduler's rotary-position rule raised
   ``OverflowError`` (``int(inf)``) inside ``Scheduler.schedule``, which ended the engine core; that stream now ends
   alone, and another stream keeps pushing and answering.
-* A compression whose planning fails ends its request alone (the failure injected into the real engine).
+* A compression whose planning fails in the scheduler, or whose selection fails in the worker, ends its request
+  alone (the failures injected into the real engine; the worker's reaches the scheduler when both share the
+  process, as with one GPU or an in-process engine).
 """
 
 from __future__ import annotations
@@ -49,20 +51,29 @@ def test_a_stream_whose_frame_times_overflow_ends_alone(llm):
     healthy.close()
 
 
-def test_a_compression_that_fails_to_plan_ends_its_request_alone(llm, monkeypatch):
+def _fail_for(name: str, original, req_id_of):
+    from cords_vllm.integration.engine_core.requests import external_request_id
+
+    def failing(*args, **kwargs):
+        if external_request_id(req_id_of(args)) == name:
+            raise RuntimeError("injected failure")
+        return original(*args, **kwargs)
+    return failing
+
+
+@pytest.mark.parametrize("where", ["scheduler", "worker"])
+def test_a_compression_that_fails_ends_its_request_alone(llm, monkeypatch, where):
     from vllm import SamplingParams
 
     import cords_vllm.integration.engine_core.scheduler as scheduler
-    from cords_vllm.integration.engine_core.requests import external_request_id
+    import cords_vllm.integration.worker.compressor as compressor
 
-    original = scheduler.plan_compression
-
-    def failing(req_id, *args, **kwargs):
-        if external_request_id(req_id) == "doomed":
-            raise RuntimeError("injected planning failure")
-        return original(req_id, *args, **kwargs)
-
-    monkeypatch.setattr(scheduler, "plan_compression", failing)
+    if where == "scheduler":  # plan_compression(req_id, ...)
+        monkeypatch.setattr(scheduler, "plan_compression",
+                            _fail_for("doomed", scheduler.plan_compression, lambda args: args[0]))
+    else:  # WorkerCompressor._apply(self, runner, plan)
+        monkeypatch.setattr(compressor.WorkerCompressor, "_apply",
+                            _fail_for("doomed", compressor.WorkerCompressor._apply, lambda args: args[2].req_id))
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     prompts = [{"prompt": VIDEO_PROMPT, "multi_modal_data": {"video": clip(video(16, seed=s), 2.0)}} for s in (4, 5)]
     engine = llm.llm_engine
@@ -75,3 +86,14 @@ def test_a_compression_that_fails_to_plan_ends_its_request_alone(llm, monkeypatc
                 finished[out.request_id] = out.outputs[0]
     assert finished["doomed"].finish_reason == "error"
     assert finished["fine"].finish_reason == "length" and len(finished["fine"].token_ids) == 3
+
+
+def test_a_worker_with_no_scheduler_in_its_process_is_told_so(monkeypatch):
+    """With workers in processes of their own nothing reaches the scheduler: the worker must not carry on."""
+    from cords_vllm.integration import failures
+
+    monkeypatch.setattr(failures, "_schedulers", 0)
+    monkeypatch.setattr(failures, "_reported", {})
+    assert failures.report("r", "why") is False and failures.drain() == {}
+    failures.scheduler_here()
+    assert failures.report("r", "why") is True and failures.drain() == {"r": "why"} and failures.drain() == {}

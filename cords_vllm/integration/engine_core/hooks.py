@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cords_vllm.config import KVPolicyConfig, KVPolicyConfigError
-from cords_vllm.integration import engine_policy
+from cords_vllm.integration import engine_policy, failures
 from cords_vllm.integration.attach import Attached
 from cords_vllm.integration.engine_core.ending import RequestEnder
 from cords_vllm.integration.engine_core.observers import HeldKVObserver, StepObserver
@@ -53,6 +53,8 @@ def _create_hooks(scheduler: Any) -> SchedulerHooks:
     publisher = Publisher("scheduler")
     compressor = SchedulerCompressor(policy, scheduler, publisher) if policy else None
     _MANAGER_COMPRESSOR.set(scheduler.kv_cache_manager, compressor)
+    if compressor is not None:
+        failures.scheduler_here()  # a worker in this process hands it the requests whose compression failed
     ender = RequestEnder(publisher, scheduler.vllm_config.model_config.max_model_len)
     return SchedulerHooks(compressor, publisher, ender, [HeldKVObserver(compressor, publisher)])
 
@@ -77,6 +79,7 @@ def make_schedule(original: Callable) -> Callable:
         comp = hooks.compressor
         hooks.ender.end_unservable(self, comp.invalid_reason if comp is not None else None)
         if comp is not None:
+            comp.failed.update(failures.drain())  # compressions a worker of this process could not carry out
             comp.before_schedule(self)
             for req_id, reason in comp.failed.items():  # the policy failed on these: each ends alone
                 if (request := self.requests.get(req_id)) is not None:

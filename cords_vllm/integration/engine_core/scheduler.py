@@ -90,6 +90,8 @@ class SchedulerCompressor:
             logger.debug("cords-vllm: request %s done: %d compressions, %d candidate tokens evicted", req_id,
                          state.compressions, state.evicted_tokens)
         for request in list(scheduler.running):
+            if request.request_id in self.failed:  # ended at this step
+                continue
             try:
                 self._maybe_compress(request)
             except Exception as exc:  # planning failed before anything changed: this request alone ends

@@ -48,6 +48,7 @@ from cords_vllm.compress.plan import NULL_BLOCK_ID, CompressionPlan, RebasePlan
 from cords_vllm.compress.step import RegionBatch, SelectionSetup, compress_region
 from cords_vllm.compress.transfer import upload
 from cords_vllm.config import KVPolicyConfig
+from cords_vllm.integration import failures
 from cords_vllm.integration.engine_facts import attention_group_index, model_facts_of
 from cords_vllm.integration.plans import plans_of
 from cords_vllm.integration.published import PUBLISH_INTERVAL_S, Publisher
@@ -153,6 +154,8 @@ class WorkerCompressor:
         self.totals = _Totals()
         #: Device time of each compression: CUDA events on a GPU (read once complete), the host clock on CPU.
         self.timer = CompressionTimer.for_device(self.device)
+        #: Requests whose compression failed here, handed to the scheduler to end (no plan of theirs is applied).
+        self.failed: set[str] = set()
         self.trace = os.environ.get(TRACE_ENV) == "1"
         self.publisher = Publisher("worker")
         self.selection_threads = int(os.environ.get(SELECTION_THREADS_ENV, "1"))
@@ -201,17 +204,25 @@ class WorkerCompressor:
                 gone.add(req_id)  # resumed after a preemption: recomputes from scratch
         for req_id in set(scheduler_output.finished_req_ids or ()):
             self.turns.pop(req_id, None)
+        self.failed -= gone
         for req_id in gone:
             tracker = self.requests.pop(req_id, None)
             if tracker is not None:
                 logger.debug("cords-vllm: request %s left the worker after %d compressions (%.1f ms selecting)",
                              req_id, tracker.compressions, 1e3 * tracker.selection_seconds)
         plans = [p for p in plans_of(scheduler_output) if isinstance(p, CompressionPlan)
-                 and p.req_id not in gone and p.req_id in runner.requests]
+                 and p.req_id not in gone and p.req_id in runner.requests and p.req_id not in self.failed]
         if plans:
             with intra_op_threads(self.selection_threads):
                 for plan in plans:
-                    self._apply(runner, plan)
+                    try:
+                        self._apply(runner, plan)
+                    except Exception as exc:
+                        reason = f"the KV policy could not compress it ({type(exc).__name__}: {exc})"
+                        if not failures.report(plan.req_id, reason):
+                            raise  # no scheduler here to end it: its KV no longer matches its row
+                        logger.exception("cords-vllm: compressing request %s failed; it is ended", plan.req_id)
+                        self.failed.add(plan.req_id)
         self._record_timings()
         self._publish_nonfinite()
 
