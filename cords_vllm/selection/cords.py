@@ -57,6 +57,10 @@ from cords_vllm.selection.ranking import mask_order
 from cords_vllm.selection.registry import register_selector
 
 NOVELTY_VARIANTS: tuple[str, ...] = ("max_cosine", "exact")
+#: The joint key/value space the distance is measured in: ``"paper"`` (raw keys and values, Eq. ``dalpha``) or
+#: ``"normalized"`` (keys and values each divided by their RMS norm over the problem's units, so ``alpha`` weighs
+#: the two spaces and not their units: :func:`normalized_features`).
+SPACES: tuple[str, ...] = ("paper", "normalized")
 
 #: Aten ops (kernel launches, roughly: no view is counted because the steps make none) per greedy step, at
 #: token and block granularity alike: ``max_cosine`` is the default CoRDS step, ``d2`` the step without a bonus
@@ -92,6 +96,26 @@ def _new_direction(basis: torch.Tensor, t: int, x: torch.Tensor, add: torch.Tens
     norm = torch.linalg.vector_norm(u, dim=-1, keepdim=True)
     drop = ~(add.unsqueeze(-1) & (norm > 0.0))
     return (u / norm.masked_fill(drop, 1.0)).masked_fill_(drop, 0.0)
+
+
+def normalized_features(feats: torch.Tensor, key_dim: int, valid: torch.Tensor) -> torch.Tensor:
+    """``feats`` (``[P, M, Dk + Dv]``, keys first) with each problem's keys divided by ``sqrt(mean_i |k_i|^2)`` and
+    its values by ``sqrt(mean_i |v_i|^2)``, the means over its valid units (``bool [P, M]``); a space whose units
+    are all zero is left as it is.
+
+    Keys after rotary often carry far larger norms than values, so in the paper's joint distance
+    ``alpha |k_i - k_j|^2 + (1 - alpha) |v_i - v_j|^2`` the keys dominate whatever ``alpha`` says; in these units
+    each space's typical squared norm is 1. Cosines, and so the max-cosine novelty, do not change. Computed once per
+    run on the device, with no host read.
+    """
+    dtype = feats.dtype if feats.dtype == torch.float64 else torch.float32
+    x = feats.to(dtype)
+    count = valid.sum(-1, keepdim=True).clamp_min(1).to(dtype)  # [P, 1]
+    scales = []
+    for part in (x[..., :key_dim], x[..., key_dim:]):
+        sq = torch.where(valid, (part * part).sum(-1), 0.0).sum(-1, keepdim=True) / count  # [P, 1]
+        scales.append(torch.where(sq > 0, torch.rsqrt(torch.where(sq > 0, sq, 1.0)), 1.0))
+    return torch.cat([x[..., :key_dim] * scales[0].unsqueeze(-1), x[..., key_dim:] * scales[1].unsqueeze(-1)], -1)
 
 
 def _padded_columns(n: int) -> int:
@@ -581,6 +605,13 @@ class CoRDSSelector(Selector):
         [0.1, 0.5] flat and 1 harmful.
     eps0:
         Regulariser of the min-max normalisation, ``> 0`` (numerical only).
+    space:
+        ``"paper"`` (default): the distance over raw keys and values, as the paper writes it. ``"normalized"``:
+        keys and values each divided by their RMS norm over the problem's candidates
+        (:func:`normalized_features`), so that ``alpha`` weighs the two spaces and not their units (keys after
+        rotary often carry far larger norms than values, and then the raw distance is mostly keys whatever
+        ``alpha`` is). Exact against the brute-force reference in both. The default stays the paper's until the
+        accuracy benchmark, tuned on a separate split, says otherwise.
     novelty:
         ``"max_cosine"`` (default): ``Orth(i) = eta (1 - max_{j in S} cos(k_i, k_j)) + (1 - eta)
         (1 - max_{j in S} cos(v_i, v_j))``, the surrogate the paper's implementation (and so its
@@ -606,7 +637,12 @@ class CoRDSSelector(Selector):
     eps0: float = hyperparameter(1e-6, low=0.0, low_open=True, help="min-max normalisation regulariser")
     novelty: str = hyperparameter("max_cosine", choices=NOVELTY_VARIANTS,
                                   help="orthogonal novelty: paper's max-cosine surrogate or exact residual")
+    space: str = hyperparameter("paper", choices=SPACES,
+                                help="joint space of the distance: raw keys and values (the paper's), or each "
+                                     "divided by its RMS norm over the candidates so alpha weighs the spaces")
 
     def _order_units(self, units: UnitBatch) -> torch.Tensor:
-        return cords_greedy(units.feats, units.key_dim, units.valid, units.k, units.k_max, alpha=self.alpha,
+        feats = units.feats if self.space == "paper" else normalized_features(units.feats, units.key_dim,
+                                                                              units.valid)
+        return cords_greedy(feats, units.key_dim, units.valid, units.k, units.k_max, alpha=self.alpha,
                             eta=self.eta, lam=self.lam, eps0=self.eps0, novelty=self.novelty)

@@ -50,12 +50,21 @@ def brute_force_cords_units(
     lam: float,
     eps0: float,
     novelty: str,
+    space: str = "paper",
 ) -> list[int]:
-    """Algorithm 1 on one problem: ``keys [n, Dk]``, ``values [n, Dv]``; returns ``b`` indices in order."""
+    """Algorithm 1 on one problem: ``keys [n, Dk]``, ``values [n, Dv]``; returns ``b`` indices in order.
+
+    ``space="normalized"``: the keys, and the values, are first divided by the square root of their mean squared
+    norm over the problem's ``n`` units (a space of zero vectors is left as it is)."""
     n = keys.shape[0]
     tol = snap_tolerance(keys.dtype)
     if b == 0:
         return []
+    if space == "normalized":
+        def rms(x: torch.Tensor) -> float:
+            return (sum(float(x[i] @ x[i]) for i in range(n)) / n) ** 0.5
+        keys = keys / (rms(keys) or 1.0)
+        values = values / (rms(values) or 1.0)
 
     # Seed: argmax ||k_i + v_i|| (keys / values only at the alpha endpoints).
     seed_feat = seed_features(keys, values, alpha)
@@ -131,6 +140,7 @@ def brute_force_select(
     lam: float = 0.25,
     eps0: float = 1e-6,
     novelty: str = "max_cosine",
+    space: str = "paper",
 ) -> tuple[torch.Tensor, list[list[int]]]:
     """Reference CoRDS selection for ``[B, H, N, D]`` inputs.
 
@@ -157,7 +167,7 @@ def brute_force_select(
                     row[i] = True
                 orders.append([])
                 continue
-            params = dict(alpha=alpha, eta=eta, lam=lam, eps0=eps0, novelty=novelty)
+            params = dict(alpha=alpha, eta=eta, lam=lam, eps0=eps0, novelty=novelty, space=space)
             if granularity == "token":
                 sel = brute_force_cords_units(k_all[cand], v_all[cand], budget, **params)
                 tokens = [cand[u] for u in sel]

@@ -88,3 +88,31 @@ def test_float32_agrees_with_float64() -> None:
             b = sel.select(keys.float(), values.float(), n // 8).keep
             overlap.append(float((a & b).sum()) / float(a.sum()))
     assert min(overlap) >= 0.9, overlap
+
+
+@pytest.mark.parametrize("granularity", ["token", "frame", "block"])
+@pytest.mark.parametrize("novelty", ["exact", "max_cosine"])
+@pytest.mark.parametrize("alpha", [0.05, 0.25, 1.0])
+def test_the_normalized_space_matches_brute_force(granularity: str, novelty: str, alpha: float) -> None:
+    for i, (b, h, n, d, budget, g, p) in enumerate(SHAPES):
+        keys, values = random_kv(300 + i, b, h, n, d)
+        cand = random_candidates(300 + i, b, n, p)
+        case = Case(30.0 * keys, values, cand, budget, granularity, g, per_head=i % 2 == 1)
+        _compare(case, novelty=novelty, alpha=alpha, space="normalized")
+
+
+def test_in_the_normalized_space_alpha_weighs_the_spaces_not_their_units() -> None:
+    """Scaling every key (or value) by a constant changes nothing there; in the paper's space it moves the
+    selection (the negative control), since the distance is then mostly the larger space."""
+    moved = 0
+    for seed in range(6):
+        keys, values = random_kv(400 + seed, 1, 2, 40, 4)
+        case = Case(keys, values, random_candidates(400 + seed, 1, 40, 1.0), 12, "token", 1, False)
+        for space in ("normalized", "paper"):
+            base = get_selector("cords", space=space).select(keys, values, 12, **case.kwargs()).order
+            scaled = get_selector("cords", space=space).select(50.0 * keys, 0.1 * values, 12, **case.kwargs()).order
+            if space == "normalized":
+                assert torch.equal(base, scaled)
+            else:
+                moved += not torch.equal(base, scaled)
+    assert moved >= 3

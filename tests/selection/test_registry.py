@@ -42,12 +42,14 @@ def test_selectors_are_documented_frozen_dataclasses(name: str) -> None:
 
 def test_cords_defaults_and_introspection() -> None:
     sel = get_selector("cords")
-    assert sel.params() == {"alpha": 0.25, "eta": 0.25, "lam": 0.25, "eps0": 1e-6, "novelty": "max_cosine"}
+    assert sel.params() == {"alpha": 0.25, "eta": 0.25, "lam": 0.25, "eps0": 1e-6, "novelty": "max_cosine",
+                            "space": "paper"}
     specs = selector_params("cords")
     assert all(isinstance(s, ParamSpec) for s in specs.values())
     assert specs["alpha"].type is float and specs["alpha"].allowed() == "in [0, 1]"
     assert specs["eps0"].allowed() == "in (0, inf)"
     assert specs["novelty"].choices == ("max_cosine", "exact")
+    assert specs["space"].choices == ("paper", "normalized")
     assert selector_params("recency")["sinks"].type is int
     assert selector_params("uniform") == {}
     assert selector_class("cords") is type(sel)
