@@ -58,7 +58,7 @@ from cords_vllm.selection.registry import register_selector
 
 NOVELTY_VARIANTS: tuple[str, ...] = ("max_cosine", "exact")
 #: The joint key/value space the distance is measured in: ``"paper"`` (raw keys and values, Eq. ``dalpha``) or
-#: ``"normalized"`` (keys and values each divided by their RMS norm over the problem's units, so ``alpha`` weighs
+#: ``"normalized"`` (keys and values each divided by their RMS spread over the problem's units, so ``alpha`` weighs
 #: the two spaces and not their units: :func:`normalized_features`).
 SPACES: tuple[str, ...] = ("paper", "normalized")
 
@@ -99,23 +99,29 @@ def _new_direction(basis: torch.Tensor, t: int, x: torch.Tensor, add: torch.Tens
 
 
 def normalized_features(feats: torch.Tensor, key_dim: int, valid: torch.Tensor) -> torch.Tensor:
-    """``feats`` (``[P, M, Dk + Dv]``, keys first) with each problem's keys divided by ``sqrt(mean_i |k_i|^2)`` and
-    its values by ``sqrt(mean_i |v_i|^2)``, the means over its valid units (``bool [P, M]``); a space whose units
-    are all zero is left as it is.
+    """``feats`` (``[P, M, Dk + Dv]``, keys first) with each problem's keys and values each divided by their RMS
+    spread over its valid units (``bool [P, M]``): ``s_K = sqrt(mean_i |k_i - mean(k)|^2)``, likewise ``s_V``; a
+    space with no spread is left as it is.
 
-    Keys after rotary often carry far larger norms than values, so in the paper's joint distance
-    ``alpha |k_i - k_j|^2 + (1 - alpha) |v_i - v_j|^2`` the keys dominate whatever ``alpha`` says; in these units
-    each space's typical squared norm is 1. Cosines, and so the max-cosine novelty, do not change. Computed once per
-    run on the device, with no host read.
+    The mean squared distance between two units of a space is ``2 s^2``, so in these units the keys and the values
+    each contribute the same typical distance and ``alpha`` is the keys' share of the joint distance
+    ``alpha |k_i - k_j|^2 + (1 - alpha) |v_i - v_j|^2`` on average, whatever their scales. (The norms alone do
+    not tell: a space whose vectors share a large common part has large norms but small distances.) Only scaled,
+    never shifted, so cosines, and so the max-cosine novelty, do not change. Computed once per run on the device,
+    with no host read.
     """
     dtype = feats.dtype if feats.dtype == torch.float64 else torch.float32
     x = feats.to(dtype)
-    count = valid.sum(-1, keepdim=True).clamp_min(1).to(dtype)  # [P, 1]
-    scales = []
+    count = valid.sum(-1, keepdim=True).clamp_min(1).to(dtype).unsqueeze(-1)  # [P, 1, 1]
+    mask = valid.unsqueeze(-1)
+    scaled = []
     for part in (x[..., :key_dim], x[..., key_dim:]):
-        sq = torch.where(valid, (part * part).sum(-1), 0.0).sum(-1, keepdim=True) / count  # [P, 1]
-        scales.append(torch.where(sq > 0, torch.rsqrt(torch.where(sq > 0, sq, 1.0)), 1.0))
-    return torch.cat([x[..., :key_dim] * scales[0].unsqueeze(-1), x[..., key_dim:] * scales[1].unsqueeze(-1)], -1)
+        part = torch.where(mask, part, 0.0)
+        mean = part.sum(1, keepdim=True) / count  # [P, 1, D]
+        spread = torch.where(mask, part - mean, 0.0).square().sum((1, 2), keepdim=True) / count  # [P, 1, 1]
+        scale = torch.where(spread > 0, torch.rsqrt(torch.where(spread > 0, spread, 1.0)), 1.0)
+        scaled.append(part * scale)
+    return torch.cat(scaled, -1)
 
 
 def _padded_columns(n: int) -> int:
@@ -607,11 +613,12 @@ class CoRDSSelector(Selector):
         Regulariser of the min-max normalisation, ``> 0`` (numerical only).
     space:
         ``"paper"`` (default): the distance over raw keys and values, as the paper writes it. ``"normalized"``:
-        keys and values each divided by their RMS norm over the problem's candidates
-        (:func:`normalized_features`), so that ``alpha`` weighs the two spaces and not their units (keys after
-        rotary often carry far larger norms than values, and then the raw distance is mostly keys whatever
-        ``alpha`` is). Exact against the brute-force reference in both. The default stays the paper's until the
-        accuracy benchmark, tuned on a separate split, says otherwise.
+        keys and values each divided by their RMS spread over the problem's candidates
+        (:func:`normalized_features`), so that ``alpha`` is the keys' share of the distance on average and not a
+        weight against their units (on the shipped model at ``alpha = 0.25`` the keys make 25-48% of the raw
+        distance, depending on the layer: ``benchmarks/kv_scales.py``). Exact against the brute-force
+        reference in both. The default stays the paper's until the accuracy benchmark, tuned on a separate split,
+        says otherwise.
     novelty:
         ``"max_cosine"`` (default): ``Orth(i) = eta (1 - max_{j in S} cos(k_i, k_j)) + (1 - eta)
         (1 - max_{j in S} cos(v_i, v_j))``, the surrogate the paper's implementation (and so its
@@ -639,7 +646,7 @@ class CoRDSSelector(Selector):
                                   help="orthogonal novelty: paper's max-cosine surrogate or exact residual")
     space: str = hyperparameter("paper", choices=SPACES,
                                 help="joint space of the distance: raw keys and values (the paper's), or each "
-                                     "divided by its RMS norm over the candidates so alpha weighs the spaces")
+                                     "divided by its RMS spread over the candidates so alpha weighs the spaces")
 
     def _order_units(self, units: UnitBatch) -> torch.Tensor:
         feats = units.feats if self.space == "paper" else normalized_features(units.feats, units.key_dim,

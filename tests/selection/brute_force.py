@@ -55,16 +55,17 @@ def brute_force_cords_units(
     """Algorithm 1 on one problem: ``keys [n, Dk]``, ``values [n, Dv]``; returns ``b`` indices in order.
 
     ``space="normalized"``: the keys, and the values, are first divided by the square root of their mean squared
-    norm over the problem's ``n`` units (a space of zero vectors is left as it is)."""
+    distance to their mean over the problem's ``n`` units (a space with no spread is left as it is)."""
     n = keys.shape[0]
     tol = snap_tolerance(keys.dtype)
     if b == 0:
         return []
     if space == "normalized":
-        def rms(x: torch.Tensor) -> float:
-            return (sum(float(x[i] @ x[i]) for i in range(n)) / n) ** 0.5
-        keys = keys / (rms(keys) or 1.0)
-        values = values / (rms(values) or 1.0)
+        def spread(x: torch.Tensor) -> float:
+            mean = sum(x[i] for i in range(n)) / n
+            return (sum(float((x[i] - mean) @ (x[i] - mean)) for i in range(n)) / n) ** 0.5
+        keys = keys / (spread(keys) or 1.0)
+        values = values / (spread(values) or 1.0)
 
     # Seed: argmax ||k_i + v_i|| (keys / values only at the alpha endpoints).
     seed_feat = seed_features(keys, values, alpha)
