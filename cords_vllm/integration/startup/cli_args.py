@@ -92,7 +92,6 @@ def add_kv_policy_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     return parser
 
 
-
 def _positive(kind: type) -> Callable[[str], Any]:
     return _bounded(kind, strict=True)
 

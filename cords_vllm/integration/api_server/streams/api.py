@@ -498,8 +498,7 @@ def _decode(items: list[Any], clip: Any, limits: Any) -> Any:
             media_type, data = parse_data_url(clip, "video", VIDEO_TYPES)
             frames = decode_clip(media_type, data, "video", frame_limits)
         field = "video"
-    if len(frames) > limits.max_frames_per_push:
-        raise FrameError(field, f"{len(frames)} frames in one push; at most {limits.max_frames_per_push}", 413)
+    # the frame count was checked before decoding (the list's length, or by decode_clip)
     check_frame_size(frames, field, min_side=limits.min_frame_side, max_pixels=limits.max_frame_pixels)
     return frames
 

@@ -80,7 +80,8 @@ class StreamsPlugin:
         model = names[0] if names else vllm_config.model_config.model
         num_blocks = vllm_config.cache_config.num_gpu_blocks
         policy = KVPolicyConfig.from_vllm_config(vllm_config)
-        encode, facts = _encoder(engine_client), model_facts_of(vllm_config)
+        tokenizer = _tokenizer(engine_client)
+        encode, facts = _encoder(tokenizer), model_facts_of(vllm_config)
         limits = limits_from_args(args)
         pool_blocks = num_blocks - 1 if num_blocks else None  # block 0 is the null block
         index, count, engines = api_server_place(engine_client)
@@ -91,10 +92,10 @@ class StreamsPlugin:
                                   block_size=vllm_config.cache_config.block_size,
                                   max_model_len=vllm_config.model_config.max_model_len,
                                   count_text=_text_counter(encode, facts),
-                                  turn_tokens=turn_counter(encode, facts, vllm_config, _tokenizer(engine_client)),
+                                  turn_tokens=turn_counter(encode, facts, vllm_config, tokenizer),
                                   ledger=ledger)
         registry.unsupported, registry.markup = facts.streams_unsupported, facts.chat_markup
-        registry.control_texts = control_texts(_tokenizer(engine_client))
+        registry.control_texts = control_texts(tokenizer)
         setattr(state, STATE_KEY, registry)
         if count > 1:
             link = SiblingLink(index, count, shared_dir)
@@ -148,9 +149,8 @@ def control_texts(tokenizer: Any) -> tuple[str, ...]:
                         key=lambda t: (-len(t), t)))
 
 
-def _encoder(engine_client: Any) -> Callable[[str], list[int]] | None:
+def _encoder(tokenizer: Any) -> Callable[[str], list[int]] | None:
     """``text -> token ids`` with the served model's tokenizer (no special tokens added), or ``None`` without one."""
-    tokenizer = _tokenizer(engine_client)
     if tokenizer is None:
         return None
     return lambda text: tokenizer.encode(text, add_special_tokens=False)

@@ -203,7 +203,7 @@ class StreamRegistry:
         :class:`TooManyStreams` at the cap, at the per-key limit, or when no engine's pool has room, before
         anything changes."""
         per_key = self.limits.max_streams_per_key
-        if per_key and owner is not None and sum(s.owner == owner for s in self.streams.values()) >= per_key:
+        if per_key and owner is not None and len(self.owned_by(owner)) >= per_key:
             raise TooManyStreams(f"this API key holds {per_key} open streams, the most one key may hold "
                                  "(--kv-stream-max-per-key): close one first")
         self._sync_ledger()
