@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cords_vllm.compress.plan import BudgetSettings, stream_footprint_blocks
+from cords_vllm.kernel_backend import CHOICES as KERNEL_CHOICES
 from cords_vllm.selection import available_selectors, get_selector, selector_params
 from cords_vllm.selection.base import GRANULARITIES
 
@@ -58,6 +59,9 @@ ENGINE_KEYS: dict[str, str] = {
                        "bounded footprint, max_text_tokens + budget + slack + 2 blocks, instead of one "
                        "max-model-len request, so --max-model-len (a stream's logical length) may exceed the "
                        "pool; a request with more is ended with an error",
+    "kernels": "what runs the compress step: 'auto' (Triton kernels on CUDA, the PyTorch reference elsewhere), "
+               "'triton' or 'torch' (default: the CORDS_VLLM_KERNELS environment variable, else 'auto'); the "
+               "workers' start-up line says which runs",
 }
 
 
@@ -105,6 +109,9 @@ class KVPolicyConfig:
         The most protected (non-candidate) tokens a request may hold; ``None``: :data:`DEFAULT_MAX_TEXT_TOKENS`, at most
         max-model-len (:meth:`text_limit`). The start-up rule asks the pool for a request's bounded footprint
         instead of a max-model-len request (see :data:`ENGINE_KEYS`).
+    kernels:
+        ``"auto"``, ``"triton"`` or ``"torch"``: what runs the compress step (:mod:`cords_vllm.kernel_backend`);
+        ``None``: the environment's choice.
     params:
         Selector hyper-parameters (validated by the selector).
     """
@@ -118,6 +125,7 @@ class KVPolicyConfig:
     anchors: tuple[int, ...] | None = (0,)
     modalities: tuple[str, ...] = MODALITIES
     max_text_tokens: int | None = None
+    kernels: str | None = None
     params: Mapping[str, Any] = field(default_factory=dict)
 
     @property
@@ -163,10 +171,14 @@ class KVPolicyConfig:
         max_text = engine.get("max_text_tokens")
         if max_text is not None:
             max_text = _int(engine, "max_text_tokens", 0, minimum=0)
+        kernels = engine.get("kernels")
+        if kernels is not None and kernels not in KERNEL_CHOICES:
+            raise KVPolicyConfigError(
+                f"kv_policy_config key 'kernels' must be one of {list(KERNEL_CHOICES)}, got {kernels!r}")
         return cls(policy=policy, budget=budget, recent=recent, slack=slack, granularity=granularity,
                    per_head=per_head, anchors=_anchors(engine.get("anchors", [0])),
                    modalities=_modalities(engine.get("modalities", list(MODALITIES))), max_text_tokens=max_text,
-                   params=params)
+                   kernels=kernels, params=params)
 
     @classmethod
     def from_additional_config(cls, additional_config: Mapping[str, Any] | None) -> KVPolicyConfig:
@@ -185,6 +197,8 @@ class KVPolicyConfig:
         out["modalities"] = list(self.modalities)
         if self.max_text_tokens is None:
             del out["max_text_tokens"]
+        if self.kernels is None:
+            del out["kernels"]
         return {**out, **dict(self.params)}
 
     def settings(self) -> dict[str, Any]:

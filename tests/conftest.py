@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engines in tests
-
-from collections.abc import Iterator
-from pathlib import Path
-
-import pytest
+# The project's Triton kernels run under Triton's CPU interpreter where no GPU is (the tests ask for them with
+# kernels="triton"). Triton decides per @jit function when its module is imported, so this precedes every import
+# of Triton; the engine never runs a kernel on CPU ("auto" picks the PyTorch path there).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from cords_vllm.lab.synthetic import TinyModelSpec, build_tiny_qwen2vl
 from cords_vllm.threads import intra_op_threads

@@ -51,9 +51,10 @@ from dataclasses import dataclass
 
 import torch
 
-from cords_vllm.compress.kv_access import KVAccessor
+from cords_vllm.compress.kv_access import KVAccessor, PagedAccessor
 from cords_vllm.compress.kv_codec import KVCodec, PlainCodec
 from cords_vllm.compress.tensor_parallel import HeadGather
+from cords_vllm.kernel_backend import kernels_in_force, use_triton
 from cords_vllm.selection.base import Selector
 from cords_vllm.selection.exact import select_exact
 
@@ -116,6 +117,9 @@ class SelectionSetup:
     (:func:`~cords_vllm.compress.tensor_parallel.head_gatherer`); joint selection then runs on every head on every
     rank and keeps the same tokens as one rank holding all heads. ``None`` (one rank, or per-head selection, which
     never reads another rank's heads): selection sees the local heads only.
+
+    ``kernels``: ``"auto"``, ``"triton"`` or ``"torch"`` (:mod:`cords_vllm.kernel_backend`), in force for the
+    compressions of this setup; ``None``: the environment's choice.
     """
 
     selector: Selector
@@ -123,6 +127,7 @@ class SelectionSetup:
     per_head: bool
     anchor_of: tuple[int, ...]
     gather_heads: HeadGather | None = None
+    kernels: str | None = None
 
     @property
     def anchors(self) -> tuple[int, ...]:
@@ -233,8 +238,21 @@ def compress_region(caches: Sequence[torch.Tensor], accessors: Sequence[KVAccess
     list[HeldTokens]
         Per layer, ``num_keep`` per head: the tokens now held in the region, in row order.
     """
+    with kernels_in_force(setup.kernels):
+        return _compress_region(caches, accessors, held, batch, setup, generator, nonfinite, codecs)
+
+
+def _compress_region(caches: Sequence[torch.Tensor], accessors: Sequence[KVAccessor],
+                     held: Sequence[HeldTokens | None], batch: RegionBatch, setup: SelectionSetup,
+                     generator: torch.Generator | None, nonfinite: torch.Tensor | None,
+                     codecs: Sequence[KVCodec] | None) -> list[HeldTokens]:
     heads = accessors[0].num_kv_heads
-    tokens = [region_tokens(h, batch, heads) for h in held]
+    # Layers that share a held object (the layers of one anchor, see below) share their region's tokens too.
+    tokens_of: dict[int, HeldTokens] = {}
+    for h in held:
+        if id(h) not in tokens_of:
+            tokens_of[id(h)] = region_tokens(h, batch, heads)
+    tokens = [tokens_of[id(h)] for h in held]
     anchors = setup.anchors
     read = {a: accessors[a].read(caches[a], batch.src_slots) for a in anchors}  # [T, H, D] each, as stored
     decoded = {a: (codecs[a] if codecs is not None else PlainCodec()).features(*read[a]) for a in anchors}
@@ -247,13 +265,29 @@ def compress_region(caches: Sequence[torch.Tensor], accessors: Sequence[KVAccess
     stacked = HeldTokens(torch.stack([t.ids for t in anchor_tokens]),
                          torch.stack([t.candidates for t in anchor_tokens]),
                          None if batch.new_labels is None else torch.stack([t.labels for t in anchor_tokens]))
-    positions = select_positions(setup, keys, values, stacked, batch, generator)
+    positions = select_positions(setup, keys, values, stacked, batch, generator)  # [A, H, num_keep]
     row_of = {a: i for i, a in enumerate(anchors)}
-    head_index = torch.arange(heads, device=positions.device)[None, :]
-    new_held = []
-    for layer, accessor in enumerate(accessors):
-        pos = positions[row_of[setup.anchor_of[layer]]]  # [H, num_keep]
-        k, v = read[layer] if layer in read else accessor.read(caches[layer], batch.src_slots)
-        accessor.write(caches[layer], batch.dst_slots, k[pos.T, head_index], v[pos.T, head_index])
-        new_held.append(tokens[layer].gather(pos))
-    return new_held
+    anchor_row = [row_of[setup.anchor_of[layer]] for layer in range(len(accessors))]
+    if _copy_in_one_launch(caches, accessors):
+        from cords_vllm.compress.copy_triton import copy_kept
+
+        copy_kept(caches, positions, anchor_row, batch.src_slots, batch.dst_slots)
+    else:
+        head_index = torch.arange(heads, device=positions.device)[None, :]
+        for layer, accessor in enumerate(accessors):
+            pos = positions[anchor_row[layer]]  # [H, num_keep]
+            k, v = read[layer] if layer in read else accessor.read(caches[layer], batch.src_slots)
+            accessor.write(caches[layer], batch.dst_slots, k[pos.T, head_index], v[pos.T, head_index])
+    # Every layer of one anchor held the same tokens and keeps the same positions: one object for them all, so
+    # that the next compression builds their region's tokens once.
+    kept: dict[tuple[int, int], HeldTokens] = {}
+    for layer, row in enumerate(anchor_row):
+        if (id(tokens[layer]), row) not in kept:
+            kept[id(tokens[layer]), row] = tokens[layer].gather(positions[row])
+    return [kept[id(tokens[layer]), row] for layer, row in enumerate(anchor_row)]
+
+
+def _copy_in_one_launch(caches: Sequence[torch.Tensor], accessors: Sequence[KVAccessor]) -> bool:
+    """Whether the copy runs as :mod:`~cords_vllm.compress.copy_triton`'s kernel: Triton runs on the caches'
+    device (:func:`~cords_vllm.kernel_backend.use_triton`) and every layer is a paged view it addresses."""
+    return use_triton(caches[0].device) and all(isinstance(a, PagedAccessor) for a in accessors)

@@ -21,6 +21,8 @@
 6. **HF exactness**: the compressed engine (in-process, fp32) equals the HF reference that drops the same
    tokens (:mod:`cords_vllm.lab.reference.exactness`);
 7. **CUDA-gated tests**: pytest on ``tests/compress`` and every test file skipped without CUDA.
+8. **compress-step benchmark**: ``benchmarks/compress_step.py``, the Triton kernels against the PyTorch path and
+   the copy floor at a 7B model's shape (the kept tokens must be the same; the speed targets are reported).
 
 It prints one summary table (step, PASS / FAIL / SKIP with the reason, seconds), writes it with every server's
 log under ``--out``, and exits 1 when any step failed. A failed step never stops the others.
@@ -577,6 +579,27 @@ def pytest_row(cpu: bool, out: Path) -> Row:
     return timed("CUDA-gated tests (pytest)", run)
 
 
+def compress_step_row(cpu: bool, out: Path) -> Row:
+    """``benchmarks/compress_step.py`` (the compress step: Triton kernels vs the PyTorch path vs the copy floor;
+    SKIP in ``--cpu`` mode). FAIL when a kernel keeps other tokens than the PyTorch path; the speed targets are
+    reported, not enforced."""
+
+    def run() -> str:
+        if cpu:
+            raise Skip("no CUDA device in --cpu mode (the kernels run under TRITON_INTERPRET=1 in the default suite)")
+        proc = subprocess.run([sys.executable, "benchmarks/compress_step.py", "--out", str(out / "compress_step")],
+                              cwd=REPO, env=_python_env(), capture_output=True, text=True, timeout=1800, check=False)
+        (out / "compress_step.log").write_text(proc.stdout + proc.stderr)
+        if proc.returncode != 0:
+            raise Fail(f"exit status {proc.returncode}: {first_error(proc.stdout + proc.stderr)} "
+                       "(see compress_step.log)")
+        result = json.loads((out / "compress_step" / "compress_step.json").read_text())
+        met = [t for t in result["targets"] if t["met"]]
+        return f"same kept ids; {len(met)} of {len(result['targets'])} speed targets met (compress_step/*.md)"
+
+    return timed("compress-step benchmark (kernels vs PyTorch)", run)
+
+
 def cuda_device_row() -> Row:
     """The CUDA device vLLM will use (FAIL without one: the check needs ``--cpu`` then)."""
 
@@ -704,6 +727,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows.extend(comparison_rows(runs))
         rows.append(exact.result())
     rows.append(pytest_row(args.cpu, args.out))
+    rows.append(compress_step_row(args.cpu, args.out))
     return report(rows, args, started)
 
 

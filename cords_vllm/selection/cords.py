@@ -50,6 +50,7 @@ from functools import partial
 
 import torch
 
+from cords_vllm.kernel_backend import use_triton
 from cords_vllm.selection.base import Selector
 from cords_vllm.selection.batch import UnitBatch
 from cords_vllm.selection.params import hyperparameter
@@ -575,6 +576,13 @@ def cords_greedy(
         raise ValueError(f"novelty: must be one of {', '.join(NOVELTY_VARIANTS)}, got {novelty!r}")
     if k_max == 0:
         return torch.full((feats.shape[0], 0), -1, dtype=torch.long, device=feats.device)
+    if use_triton(feats.device):
+        from cords_vllm.selection.cords_triton import cords_greedy_triton
+
+        order = cords_greedy_triton(feats, key_dim, valid, k, k_max, alpha=alpha, eta=eta, lam=lam, eps0=eps0,
+                                    novelty=novelty)
+        if order is not None:
+            return order
     g = _Greedy(feats, key_dim, valid, alpha=alpha, eta=eta, lam=lam, eps0=eps0, novelty=novelty)
     step = _step_function(g, novelty, eta, k_max)  # chosen once for the whole run
     g.j.copy_(_seed(g).unsqueeze(-1))

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 import cords_vllm
 
@@ -51,6 +51,10 @@ DATA_SIZED = {aten.nonzero.default, aten.masked_select.default, aten.unique_cons
               aten.repeat_interleave.self_Tensor}
 #: Indexing ops that synchronise only when one of their indices is a boolean mask.
 MASK_INDEXED = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
+#: Aten ops that launch no kernel on CUDA: allocations, and views the dispatcher does not tag as such.
+NO_LAUNCH = {aten.empty, aten.empty_strided, aten.empty_like, aten.new_empty, aten.new_empty_strided,
+             aten.lift_fresh, aten.detach, aten.detach_, aten.alias, aten.numpy_T, aten.t, aten.sym_size,
+             aten.sym_stride, aten.sym_numel, aten.sym_storage_offset, aten.is_pinned}
 #: Function-level calls that make a tensor from host (Python / NumPy) data.
 HOST_DATA = {torch.tensor, torch.as_tensor, torch.asarray, torch.from_numpy, torch.Tensor.new_tensor}
 #: Function-level calls that move a tensor to a device.
@@ -109,6 +113,8 @@ class _SyncDispatch(TorchDispatchMode):
         kwargs = kwargs or {}
         self.owner.ops += 1
         self.owner.op_names.append(func.__name__)
+        if not func.is_view and func.overloadpacket not in NO_LAUNCH:
+            self.owner.launch_names.append(func.__name__)
         if func in SCALAR_READS or func in DATA_SIZED or (func in MASK_INDEXED and _has_mask_index(args)):
             self.owner.syncs.append(f"{func.__name__} at {_project_site() or '<outside the project>'}")
         return func(*args, **kwargs)
@@ -157,7 +163,10 @@ class HostSyncCounter:
     uploads:
         One entry per blocking host-to-device upload made by project code.
     ops:
-        Aten ops dispatched (one kernel launch each on CUDA, roughly), ``op_names`` their names.
+        Aten ops dispatched, views and allocations included, ``op_names`` their names.
+    launch_names:
+        What launches a kernel on CUDA, in order: every aten op but views and allocations, and every Triton kernel
+        run through :meth:`watch_triton` (``"triton:<kernel>"``; what the interpreter does inside is not counted).
     """
 
     def __init__(self) -> None:
@@ -165,8 +174,36 @@ class HostSyncCounter:
         self.uploads: list[str] = []
         self.ops = 0
         self.op_names: list[str] = []
+        self.launch_names: list[str] = []
         self._functions = _UploadFunctions(self)
         self._dispatch = _SyncDispatch(self)
+
+    @property
+    def launches(self) -> int:
+        """Kernel launches on CUDA: :attr:`launch_names`'s length."""
+        return len(self.launch_names)
+
+    def watch_triton(self, monkeypatch: Any, *modules: Any) -> None:
+        """Count each launch of the kernels that ``modules`` build with their ``_compiled(interpret)`` as one,
+        running it outside the counter (the interpreter's own tensor traffic is not a launch on CUDA)."""
+        owner = self
+        for module in modules:
+            build = getattr(module._compiled, "unwatched", module._compiled)  # watched again: count once
+
+            def counted(interpret: bool, build: Any = build, name: str = module.__name__) -> Any:
+                kernel = build(interpret)
+
+                class _Counted:
+                    def __getitem__(self, grid: Any) -> Any:
+                        def run(*args: Any, **kwargs: Any) -> Any:
+                            owner.launch_names.append(f"triton:{name.rsplit('.', 1)[-1]}")
+                            with _disable_current_modes():
+                                return kernel[grid](*args, **kwargs)
+                        return run
+                return _Counted()
+
+            counted.unwatched = build  # type: ignore[attr-defined]
+            monkeypatch.setattr(module, "_compiled", counted)
 
     def __enter__(self) -> HostSyncCounter:
         self._functions.__enter__()

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+pytest.importorskip("vllm", reason="reads vLLM's own KV cache layouts; vLLM is not installed")
+
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from cords_vllm.compress.kv_access import PagedAccessor, slots_of

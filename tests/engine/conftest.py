@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
+pytest.importorskip("vllm", reason="tests/engine drive vLLM's engine; vLLM is not installed")
+
 from cords_vllm.config import kv_policy_args
 from cords_vllm.integration.inprocess.introspect import host_lengths, record_steps, snapshot
 from cords_vllm.integration.inprocess.llm import make_llm

@@ -1,7 +1,7 @@
 """Compression timing: the host clock on CPU; on CUDA, device events read only once they have completed.
 
 No GPU runs here, so the CUDA path is driven with a stand-in event that completes when the test says so (the
-same ``record`` / ``query`` / ``elapsed_time`` surface as ``torch.cuda.Event``); ``tests/engine/test_cuda.py``
+same ``record`` / ``query`` / ``elapsed_time`` surface as ``torch.cuda.Event``); ``tests/compress/test_cuda_core.py``
 times real events on a GPU.
 """
 

@@ -57,6 +57,7 @@ from cords_vllm.integration.worker.pipeline_parallel import stage_anchors
 from cords_vllm.integration.worker.tensor_parallel import tp_head_gatherer
 from cords_vllm.integration.worker.timing import CompressionTimer
 from cords_vllm.integration.worker.tracker import WorkerRequest
+from cords_vllm.kernel_backend import describe, kernels_in_force
 from cords_vllm.model_facts import FRAMES_FROM_LAYOUT
 from cords_vllm.selection import get_selector
 from cords_vllm.threads import intra_op_threads
@@ -147,7 +148,10 @@ class WorkerCompressor:
         self.setup = SelectionSetup(
             selector=get_selector(config.policy, **dict(config.params)), granularity=config.granularity,
             per_head=config.per_head, anchor_of=anchor_of,
-            gather_heads=None if config.per_head else tp_head_gatherer(runner, self.accessors[0].num_kv_heads))
+            gather_heads=None if config.per_head else tp_head_gatherer(runner, self.accessors[0].num_kv_heads),
+            kernels=config.kernels)
+        with kernels_in_force(config.kernels):
+            logger.info("cords-vllm: compress step on %s: %s", self.device, describe(self.device))
         self.requests: dict[str, WorkerRequest] = {}
         #: The scheduler's plans for sessions whose next turn has not reached the worker yet.
         self.turns: dict[str, RebasePlan] = {}

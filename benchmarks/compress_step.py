@@ -1,0 +1,318 @@
+"""Cost of one compression: the Triton kernels against the PyTorch path and the copy floor, in one run.
+
+Runs the pure compress step (:func:`~cords_vllm.compress.step.compress_region`, no vLLM) on a paged KV cache of a
+7B model's shape (Qwen2-VL-7B: 28 layers, 4 KV heads x 128, bf16, block 16) holding one stream's region of
+7,744 tokens (64 text tokens, 30 frames of 256) and keeping 6,208 (24 frames), at ``cords``'s defaults, per
+granularity and anchor set, with each implementation (``--kernels``). Per row:
+
+* ``wall ms``: one compression as the worker sees it, launches and the host read included (median of
+  ``--repeats``; the caches are restored from a pristine copy between runs, outside the timing);
+* ``GPU ms``: the device time between CUDA events around it;
+* ``launches``: CUDA kernels and copies the device ran (profiler), ``syncs``: host synchronisations
+  (``torch.cuda.set_sync_debug_mode``);
+* ``x floor``: wall time over the copy floor, the region read and the kept tokens written once in every layer at
+  the copy bandwidth measured in the same run; ``x torch``: the PyTorch path's wall time over this row's;
+* ``same ids``: every layer keeps exactly the tokens the PyTorch path keeps.
+
+It ends with the issue's targets (frame <= 1 ms, block <= 2 ms, token <= 15 ms, anchors [0, 2, 4] <= 1.5x
+anchors [0], <= 1 sync and <= 16 launches per compression), each PASS or MISS, and writes
+``compress_step.json`` and ``compress_step.md`` to ``--out``.
+
+Usage: ``python benchmarks/compress_step.py [--device cuda] [--out DIR]``; ``--quick``: a small shape (on CPU
+under ``TRITON_INTERPRET=1`` the kernels run in Triton's interpreter: a smoke run, not a timing). Needs torch
+and Triton only. Not a test: numbers depend on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from cords_vllm.compress.kv_access import PagedAccessor, slots_of
+from cords_vllm.compress.step import RegionBatch, SelectionSetup, compress_region
+from cords_vllm.selection import get_selector
+
+#: The issue's targets on an H100-class GPU: wall ms per compression at the default shape.
+TARGET_MS = {"frame": 1.0, "block": 2.0, "token": 15.0}
+TARGET_LAUNCHES = 16
+TARGET_SYNCS = 1
+TARGET_ANCHOR_RATIO = 1.5
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int = 28
+    heads: int = 4
+    head_size: int = 128
+    block_size: int = 16
+    text: int = 64
+    frame_tokens: int = 256
+    frames: int = 30
+    keep_frames: int = 24
+
+    @property
+    def held(self) -> int:
+        return self.text + self.frames * self.frame_tokens
+
+    @property
+    def kept(self) -> int:
+        return self.text + self.keep_frames * self.frame_tokens
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    granularity: str
+    anchors: tuple[int, ...]
+    shape: Shape
+
+
+@dataclass
+class Row:
+    case: str
+    kernels: str
+    held: int
+    kept: int
+    wall_ms: float
+    wall_min_ms: float
+    gpu_ms: float | None
+    launches: int | None
+    syncs: int | None
+    floor_ms: float
+    same_ids: bool | None = None
+    x_torch: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def cases(quick: bool) -> list[Case]:
+    """The issue's shape (or a small one), per granularity, one anchor and three, and a small token region."""
+    if quick:
+        big = Shape(layers=6, heads=2, head_size=16, block_size=8, text=8, frame_tokens=16, frames=8, keep_frames=5)
+        small = Shape(layers=6, heads=2, head_size=16, block_size=8, text=8, frame_tokens=16, frames=4, keep_frames=3)
+        three = (0, 2, 4)
+    else:
+        big, small = Shape(), Shape(frames=5, keep_frames=4)
+        three = (0, 2, 4)
+    return [Case("frame, anchors [0]", "frame", (0,), big),
+            Case(f"frame, anchors {list(three)}", "frame", three, big),
+            Case("block, anchors [0]", "block", (0,), big),
+            Case("token, anchors [0]", "token", (0,), big),
+            Case(f"token, {small.held} -> {small.kept} tokens", "token", (0,), small)]
+
+
+def anchor_of(anchors: tuple[int, ...], layers: int) -> tuple[int, ...]:
+    return tuple(max(a for a in anchors if a <= layer) for layer in range(layers))
+
+
+def build(shape: Shape, granularity: str, device: torch.device, dtype: torch.dtype
+          ) -> tuple[list[torch.Tensor], RegionBatch]:
+    """Caches of every layer (one allocation each, as vLLM makes them) and the region's first compression."""
+    bs = shape.block_size
+    region_blocks = shape.held // bs
+    num_blocks = region_blocks + 16
+    g = torch.Generator(device="cpu").manual_seed(0)
+    caches = [torch.randn(num_blocks, shape.heads, bs, 2 * shape.head_size, generator=g).to(device, dtype)
+              for _ in range(shape.layers)]
+    blocks = torch.randperm(num_blocks, generator=g)[:region_blocks].to(device)
+    labels = torch.cat([torch.zeros(shape.text, dtype=torch.long),
+                        torch.arange(shape.frames).repeat_interleave(shape.frame_tokens) + 1]).to(device)
+    batch = RegionBatch(
+        src_slots=slots_of(blocks, bs), dst_slots=slots_of(blocks[: shape.kept // bs], bs),
+        new_ids=torch.arange(shape.held, device=device),
+        spans=torch.tensor([[shape.text, shape.held]], device=device),
+        new_labels=labels if granularity == "frame" else None, num_keep=shape.kept,
+        num_keep_candidates=shape.kept - shape.text, num_candidates=shape.held - shape.text,
+        group_size={"frame": shape.frame_tokens, "block": bs}.get(granularity), frame_tokens=shape.frame_tokens)
+    return caches, batch
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes per second a device-to-device copy moves (read + written), measured on 1 GiB (64 MiB on CPU)."""
+    n = (1 << 30 if device.type == "cuda" else 1 << 26) // 4
+    x, y = torch.empty(n, device=device), torch.empty(n, device=device)
+    times = []
+    for _ in range(5):
+        synchronize(device)
+        t0 = time.perf_counter()
+        y.copy_(x)
+        synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return 2 * 4 * n / min(times)
+
+
+def count_launches_and_syncs(run, device: torch.device) -> tuple[int | None, int | None]:
+    if device.type != "cuda":
+        return None, None
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
+        synchronize(device)
+    launches = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    synchronize(device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    synchronize(device)
+    syncs = sum("synchronizing" in str(w.message) for w in caught)
+    return launches, syncs
+
+
+def measure(case: Case, kernels: str, device: torch.device, dtype: torch.dtype, repeats: int, bandwidth: float
+            ) -> tuple[Row, list[torch.Tensor]]:
+    shape = case.shape
+    caches, batch = build(shape, case.granularity, device, dtype)
+    pristine = [c.clone() for c in caches]
+    setup = SelectionSetup(get_selector("cords"), case.granularity, False, anchor_of(case.anchors, shape.layers),
+                           kernels=kernels)
+    accessors = [PagedAccessor.of(caches[0], shape.head_size)] * shape.layers
+
+    def restore() -> None:
+        for c, p in zip(caches, pristine, strict=True):
+            c.copy_(p)
+
+    def run() -> list:
+        return compress_region(caches, accessors, [None] * shape.layers, batch, setup)
+
+    held = run()  # warm-up (compiles the kernels); its kept ids are the row's
+    ids = [h.ids.cpu() for h in held]
+    walls, gpus = [], []
+    for _ in range(repeats):
+        restore()
+        synchronize(device)
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        t0 = time.perf_counter()
+        run()
+        if device.type == "cuda":
+            end.record()
+        synchronize(device)
+        walls.append(1e3 * (time.perf_counter() - t0))
+        if device.type == "cuda":
+            gpus.append(start.elapsed_time(end))
+    restore()
+    launches, syncs = count_launches_and_syncs(lambda: (restore(), synchronize(device), run()), device)
+    if launches is not None:  # the restore's copies are not the compression's
+        launches -= shape.layers
+    element = caches[0].element_size()
+    floor_bytes = shape.layers * (shape.held + shape.kept) * shape.heads * 2 * shape.head_size * element
+    row = Row(case=case.name, kernels=kernels, held=shape.held, kept=shape.kept,
+              wall_ms=statistics.median(walls), wall_min_ms=min(walls),
+              gpu_ms=statistics.median(gpus) if gpus else None, launches=launches, syncs=syncs,
+              floor_ms=1e3 * floor_bytes / bandwidth)
+    return row, ids
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}, torch {torch.__version__}"
+    return f"{platform.processor() or 'CPU'}, torch {torch.__version__}"
+
+
+def targets(rows: list[Row]) -> list[tuple[str, bool | None, str]]:
+    """(target, met or None when not measured, what was measured) for the kernel rows."""
+    out = []
+    kernel = {r.case: r for r in rows if r.kernels == "triton"}
+    for name, row in kernel.items():
+        gran = name.split(",")[0]
+        if "anchors [0]" in name and gran in TARGET_MS:
+            out.append((f"{gran} <= {TARGET_MS[gran]:g} ms", row.wall_ms <= TARGET_MS[gran], f"{row.wall_ms:.2f} ms"))
+    one, three = kernel.get("frame, anchors [0]"), next((r for n, r in kernel.items() if n.startswith(
+        "frame, anchors [0, ")), None)
+    if one and three:
+        ratio = three.wall_ms / one.wall_ms
+        out.append((f"anchors [0, 2, 4] <= {TARGET_ANCHOR_RATIO:g}x anchors [0]", ratio <= TARGET_ANCHOR_RATIO,
+                    f"{ratio:.2f}x"))
+    measured = [r for r in kernel.values() if r.syncs is not None]
+    if measured:
+        worst = max(r.syncs for r in measured)
+        out.append((f"<= {TARGET_SYNCS} host sync per compression", worst <= TARGET_SYNCS, f"at most {worst}"))
+        most = max(r.launches for r in measured)
+        out.append((f"<= {TARGET_LAUNCHES} launches per compression", most <= TARGET_LAUNCHES, f"at most {most}"))
+    same = [r.same_ids for r in kernel.values() if r.same_ids is not None]
+    if same:
+        out.append(("same kept ids as the PyTorch path", all(same), f"{sum(same)} of {len(same)} cases"))
+    return out
+
+
+def markdown(rows: list[Row], checks: list[tuple[str, bool | None, str]], header: dict) -> str:
+    def fmt(x, spec=".2f"):
+        return "-" if x is None else format(x, spec)
+
+    lines = [f"Device: {header['device']}; copy bandwidth {header['copy_gb_s']:.0f} GB/s (measured).", "",
+             "| case | kernels | wall ms | GPU ms | launches | syncs | x floor | x torch | same ids |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r.case} | {r.kernels} | {r.wall_ms:.2f} | {fmt(r.gpu_ms)} | {fmt(r.launches, 'd')} | "
+                     f"{fmt(r.syncs, 'd')} | {r.wall_ms / r.floor_ms:.0f} | {fmt(r.x_torch, '.1f')} | "
+                     f"{'-' if r.same_ids is None else ('yes' if r.same_ids else 'NO')} |")
+    if checks:
+        lines += ["", "| target | result | measured |", "|---|---|---|"]
+        lines += [f"| {t} | {'PASS' if ok else 'MISS'} | {m} |" for t, ok, m in checks]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--kernels", nargs="+", default=["triton", "torch"], choices=["triton", "torch"])
+    p.add_argument("--repeats", type=int, default=None, help="timed runs per row (default 10; 2 for torch token)")
+    p.add_argument("--quick", action="store_true", help="a small shape (a smoke run)")
+    p.add_argument("--only", default=None, help="run the cases whose name contains this text")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/compress_step"))
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    dtype = torch.bfloat16
+    bandwidth = copy_bandwidth(device)
+    header = {"device": device_name(device), "copy_gb_s": bandwidth / 1e9, "dtype": str(dtype),
+              "python": sys.version.split()[0]}
+    print(f"# compress step on {header['device']}; copy {bandwidth / 1e9:.0f} GB/s", flush=True)
+    rows: list[Row] = []
+    for case in cases(args.quick):
+        if args.only and args.only not in case.name:
+            continue
+        reference = None
+        for kernels in sorted(args.kernels, key=lambda k: k != "torch"):  # the reference first
+            slow = kernels == "torch" and case.granularity == "token" and not args.quick
+            repeats = args.repeats or (2 if slow else 10)
+            row, ids = measure(case, kernels, device, dtype, repeats, bandwidth)
+            if kernels == "torch":
+                reference = (row, ids)
+            elif reference is not None:
+                row.same_ids = all(torch.equal(a, b) for a, b in zip(reference[1], ids, strict=True))
+                row.x_torch = reference[0].wall_ms / row.wall_ms
+            rows.append(row)
+            print(f"{case.name:32s} {kernels:6s} wall {row.wall_ms:9.2f} ms  GPU {row.gpu_ms or 0:8.2f} ms  "
+                  f"launches {row.launches}  syncs {row.syncs}  same ids {row.same_ids}", flush=True)
+    checks = targets(rows) if device.type == "cuda" else []
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "compress_step.json").write_text(json.dumps(
+        {"header": header, "rows": [asdict(r) for r in rows],
+         "targets": [{"target": t, "met": ok, "measured": m} for t, ok, m in checks]}, indent=2) + "\n")
+    table = markdown(rows, checks, header)
+    (args.out / "compress_step.md").write_text(table)
+    print(table)
+    return 0 if all(r.same_ids is not False for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""The compress step's copy as one Triton kernel: every layer's kept tokens, keys and values, in one launch.
+
+The kernel beside its reference, the per-layer loop at the end of :func:`~cords_vllm.compress.step.compress_region`
+(``accessor.read`` of the region, advanced indexing by the kept positions, ``accessor.write``), which stays the
+CPU path and the reference.
+
+What it moves: for every layer ``l``, KV head ``h`` and kept row ``i``, the ``2 * D`` stored elements of the token
+in source row ``pos[a(l), h, i]`` (``a(l)``: the layer's anchor) to destination row ``i``, raw (the cache's
+elements reinterpreted as integers of their width: bf16, fp16, fp32 and fp8 bytes alike, never converted, so
+scales and NaN payloads survive). Each layer's cache is addressed from the first one by its element offset, so a
+layer count of any size is one launch; caches of different dtypes or strides are grouped, one launch per group
+(vLLM gives every attention layer of a KV-cache group the same layout).
+
+In place without a scratch copy: destination row ``i`` is source row ``i`` (the kept tokens go to the first
+source blocks, :class:`~cords_vllm.compress.step.RegionBatch`'s rule) and kept positions increase, so
+``pos[i] >= i``: row ``i`` is read only by rows ``i' <= i``. One program owns a (layer, head, channel chunk)
+and walks its rows in order, a tile at a time, loading the whole tile before storing it (a barrier between), so no
+row is overwritten before every row that reads it has been read. Programs own disjoint elements.
+
+Layouts: the logical ``[num_blocks, H, block_size, 2 * D]`` view of vLLM 0.32's GPU backends
+(:class:`~cords_vllm.compress.kv_access.PagedAccessor`) with any physical stride order; the strides come from the
+view, so every :class:`~vllm.v1.kv_cache_layout.KVCacheLayout` is the same kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+
+from cords_vllm.kernel_backend import interpreting
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = tl = None
+
+#: Rows per tile, channel bytes per program and warps per program of the copy: the fastest of eight settings on an
+#: H100 at a 7B model's shape (0.47-0.57 ms against 0.84-29 ms, ``benchmarks/compress_step.py``'s copy).
+TILE_ROWS, CHUNK_BYTES, WARPS = 256, 256, 8
+#: Integer dtype of each element width: the kernel moves raw elements.
+_RAW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _copy_kernel(base_ptr, offsets_ptr, rows_ptr, pos_ptr, src_ptr, dst_ptr,
+                 num_keep, heads, channels,
+                 s_block, s_head, s_offset, s_channel, pos_s_anchor, pos_s_head, pos_s_row,
+                 BLOCK_SIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Program (layer * heads + head, channel chunk): rows ``0 .. num_keep`` of that head, a tile at a time, in
+    order. Tile ``b + 1`` is read before tile ``b`` is written: it reads rows ``>= (b + 1) * BLOCK_T``, which tile
+    ``b`` does not write, so the next tile's reads overlap this one's writes."""
+    pid = tl.program_id(0)
+    layer = pid // heads
+    head = (pid % heads).to(tl.int64)
+    cache = base_ptr + tl.load(offsets_ptr + layer)
+    pos_row = pos_ptr + tl.load(rows_ptr + layer) * pos_s_anchor + head * pos_s_head
+    ch = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    ch_off = (ch.to(tl.int64) * s_channel)[None, :]
+    ch_in = (ch < channels)[None, :]
+    rows = tl.arange(0, BLOCK_T)
+
+    t_in = rows < num_keep
+    src = tl.load(src_ptr + tl.load(pos_row + rows * pos_s_row, mask=t_in, other=0), mask=t_in, other=0)
+    src_at = (src // BLOCK_SIZE) * s_block + head * s_head + (src % BLOCK_SIZE) * s_offset
+    tile = tl.load(cache + src_at[:, None] + ch_off, mask=t_in[:, None] & ch_in)
+    for t0 in range(0, num_keep, BLOCK_T):
+        t = t0 + rows
+        t_in = t < num_keep
+        dst = tl.load(dst_ptr + t, mask=t_in, other=0)
+        dst_at = (dst // BLOCK_SIZE) * s_block + head * s_head + (dst % BLOCK_SIZE) * s_offset
+        n = t + BLOCK_T  # the next tile, read ahead
+        n_in = n < num_keep
+        src = tl.load(src_ptr + tl.load(pos_row + n * pos_s_row, mask=n_in, other=0), mask=n_in, other=0)
+        src_at = (src // BLOCK_SIZE) * s_block + head * s_head + (src % BLOCK_SIZE) * s_offset
+        ahead = tl.load(cache + src_at[:, None] + ch_off, mask=n_in[:, None] & ch_in)
+        tl.debug_barrier()  # every thread has read this tile before any of it is written
+        tl.store(cache + dst_at[:, None] + ch_off, tile, mask=t_in[:, None] & ch_in)
+        tile = ahead
+
+
+@functools.cache
+def _compiled(interpret: bool):
+    return triton.jit(_copy_kernel)
+
+
+@functools.cache
+def _device_table(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """``long`` device copy of a small host table, made once per (table, device): the caches, and so their
+    offsets, live as long as the engine."""
+    host = torch.tensor(values, dtype=torch.long)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+def _signature(cache: torch.Tensor) -> tuple:
+    return cache.dtype, tuple(cache.shape), tuple(cache.stride()), cache.device
+
+
+def copy_kept(caches: Sequence[torch.Tensor], positions: torch.Tensor, anchor_row: Sequence[int],
+              src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+    """Move every layer's kept tokens into place, one launch per group of layers sharing a layout.
+
+    Parameters
+    ----------
+    caches:
+        Per layer, the logical ``[num_blocks, H, block_size, 2 * D]`` view (one device, any strides).
+    positions:
+        ``long [A, H, num_keep]``: kept rows of the region per anchor and head, increasing along the last dim
+        (any strides; joint selection's expanded heads included).
+    anchor_row:
+        Per layer, its anchor's index into ``positions``.
+    src_slots, dst_slots:
+        ``long [S]`` and ``long [num_keep]``: the region's slots in row order, and where kept row ``i`` goes,
+        ``dst_slots == src_slots[:num_keep]`` (the module docstring's in-place rule).
+    """
+    num_keep = dst_slots.shape[0]
+    if num_keep == 0:
+        return
+    groups: dict[tuple, list[int]] = {}
+    for layer, cache in enumerate(caches):
+        groups.setdefault(_signature(cache), []).append(layer)
+    _, heads, block_size, channels = caches[0].shape
+    kernel = _compiled(interpreting())
+    src_slots, dst_slots = src_slots.contiguous(), dst_slots.contiguous()
+    for layers in groups.values():
+        first = caches[layers[0]]
+        size = first.element_size()
+        base = first.view(_RAW[size])
+        starts = [caches[i].data_ptr() - first.data_ptr() for i in layers]
+        if any(s % size for s in starts):
+            raise ValueError("KV caches of one layout must be element-aligned with each other")
+        offsets = _device_table(tuple(s // size for s in starts), first.device)
+        rows = _device_table(tuple(anchor_row[i] for i in layers), first.device)
+        s_block, s_head, s_offset, s_channel = first.stride()
+        block_c = min(triton.next_power_of_2(channels), max(16, CHUNK_BYTES // size))
+        grid = (len(layers) * heads, triton.cdiv(channels, block_c))
+        kernel[grid](base, offsets, rows, positions, src_slots, dst_slots, num_keep, heads, channels,
+                     s_block, s_head, s_offset, s_channel, *positions.stride(),
+                     BLOCK_SIZE=block_size, BLOCK_T=TILE_ROWS, BLOCK_C=block_c, num_warps=WARPS)

@@ -1,0 +1,215 @@
+"""CoRDS's greedy run as one Triton kernel: every greedy step of every problem in a single launch.
+
+The kernel beside its reference, :func:`~cords_vllm.selection.cords.cords_greedy` (the PyTorch path, which stays
+the CPU path and the reference this one is tested against). It covers the variants the engine runs by default:
+the max-cosine novelty and the plain D^2 step (``lam = 0``: k_only, v_only, CoRDS without a bonus); the exact
+novelty, an ablation, stays on the PyTorch path.
+
+Design (one GEMM, then a persistent greedy loop over rows):
+
+1. The Gram matrices ``G_K = K K^T`` and ``G_V = V V^T`` of each problem's units (``[P, M, M]``, fp32 IEEE, one
+   batched GEMM each, only those the score reads), and the unit norms and seed scores, computed by the same
+   PyTorch ops as the reference.
+2. :func:`_greedy_kernel`: one program per problem holds its whole state on chip, ``M`` units wide: the running
+   minimum distance ``d_alpha(i, S)``, the running minimum ``1 - cos`` of keys and values, the pool, the norms.
+   A greedy step reads two rows of the Gram matrices (``G[j, :]`` of the unit ``j`` chosen last, the only memory
+   traffic of a step), folds the new point into the state, min-max normalises over the pool and picks the next
+   unit with the reference's tie rule (the lowest index within ``tol`` of the best score). All ``k_max`` steps
+   run inside the program: no launch, no host read between steps.
+
+The arithmetic is the reference's, term for term (:mod:`cords_vllm.selection.cords`'s "Numerics"): the same
+snapping of distances to 0 and of cosines to 1, the same normalisation and the same tie slack. Dot products come
+from the Gram matrix instead of the reference's per-step matvec, so scores differ in their last bits; the tie
+slack, which exists for exactly this, makes the chosen units the same (tested on the shared selector matrix under
+``TRITON_INTERPRET=1``).
+
+Launches per call: the norms, the seed scores, one or two GEMMs and the kernel: a fixed number whatever ``M``
+and ``k_max``. Memory: ``M`` x ``M`` fp32 per Gram matrix and problem; problems past :data:`GRAM_LIMIT_BYTES`
+or :data:`MAX_UNITS` (what one program holds on chip) run on the PyTorch path (said once in the log).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections.abc import Iterator
+
+import torch
+
+from cords_vllm.kernel_backend import interpreting
+from cords_vllm.selection.cords import snap_tolerance
+
+logger = logging.getLogger(__name__)
+
+#: The most units one problem may have on the kernel path: a program holds a problem's whole state in registers.
+MAX_UNITS = 16384
+#: The most bytes the Gram matrices of one call may take on the kernel path.
+GRAM_LIMIT_BYTES = 4 << 30
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the kernels are only built when kernel_backend says Triton runs
+    triton = tl = None
+
+
+def _greedy_kernel(gk_ptr, gv_ptr, kn_ptr, vn_ptr, seed_ptr, valid_ptr, k_ptr, out_ptr,
+                   m_units, k_max, gram_stride,
+                   alpha, one_minus_alpha, neg2a, neg2b, eta, one_minus_eta, lam, eps0, tol, neg_snap,
+                   USE_KD: tl.constexpr, USE_VD: tl.constexpr, USE_KO: tl.constexpr, USE_VO: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    """One problem's whole greedy run (program ``p``); writes ``out[p, :k_max]`` (``-1`` after ``k[p]``)."""
+    p = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    inside = offs < m_units
+    vec = p * m_units
+    valid = (tl.load(valid_ptr + vec + offs, mask=inside, other=0) != 0) & inside
+    kn = tl.load(kn_ptr + vec + offs, mask=inside, other=0.0)
+    vn = tl.load(vn_ptr + vec + offs, mask=inside, other=0.0)
+    base = tl.zeros([BLOCK], dtype=tl.float32)
+    if USE_KD:
+        base = alpha * (kn * kn)
+    if USE_VD:
+        base = base + one_minus_alpha * (vn * vn)
+    inv_kn = tl.where(kn > 0.0, 1.0 / tl.where(kn > 0.0, kn, 1.0), 0.0)
+    inv_vn = tl.where(vn > 0.0, 1.0 / tl.where(vn > 0.0, vn, 1.0), 0.0)
+
+    # The seed: the lowest index within tol (relative) of the best seed score.
+    seed = tl.where(valid, tl.load(seed_ptr + vec + offs, mask=inside, other=0.0), float("-inf"))
+    best = tl.max(seed, 0)
+    j = tl.min(tl.where(valid & (seed >= best - tol * tl.maximum(best, 0.0)), offs, BLOCK), 0)
+
+    k_p = tl.load(k_ptr + p)
+    min_dist = tl.where(valid, float("inf"), float("-inf"))
+    run_k = tl.where(valid, 2.0, float("-inf"))
+    run_v = tl.where(valid, 2.0, float("-inf"))
+    pool = valid
+    for t in range(0, k_max):
+        tl.store(out_ptr + p * k_max + t, tl.where(t < k_p, j, -1).to(tl.int64))
+        j = tl.minimum(j, m_units - 1)  # a problem past its k[p] may have no pool left: stay in bounds
+        pool = pool & (offs != j)
+        kn_j = tl.load(kn_ptr + vec + j)
+        vn_j = tl.load(vn_ptr + vec + j)
+        base_j = 0.0
+        if USE_KD:
+            base_j = alpha * (kn_j * kn_j)
+        if USE_VD:
+            base_j = base_j + one_minus_alpha * (vn_j * vn_j)
+        row = p * gram_stride + j.to(tl.int64) * m_units
+        bsum = base + base_j
+        dist = bsum
+        if USE_KD or USE_KO:
+            gk = tl.load(gk_ptr + row + offs, mask=inside, other=0.0)
+        if USE_VD or USE_VO:
+            gv = tl.load(gv_ptr + row + offs, mask=inside, other=0.0)
+        if USE_KD:
+            dist = dist + neg2a * gk
+        if USE_VD:
+            dist = dist + neg2b * gv
+        dist = tl.where(dist <= bsum * tol, 0.0, dist)  # snapped to 0 (negative ones too)
+        min_dist = tl.minimum(min_dist, dist)
+
+        if USE_KO or USE_VO:
+            orth = tl.zeros([BLOCK], dtype=tl.float32)
+            if USE_KO:
+                inv_kn_j = tl.where(kn_j > 0.0, 1.0 / tl.where(kn_j > 0.0, kn_j, 1.0), 0.0)
+                ncos = (gk * inv_kn_j) * -inv_kn
+                run_k = tl.minimum(run_k, tl.where(ncos > neg_snap, ncos, -1.0) + 1.0)
+                orth = run_k * eta
+            if USE_VO:
+                inv_vn_j = tl.where(vn_j > 0.0, 1.0 / tl.where(vn_j > 0.0, vn_j, 1.0), 0.0)
+                ncos = (gv * inv_vn_j) * -inv_vn
+                run_v = tl.minimum(run_v, tl.where(ncos > neg_snap, ncos, -1.0) + 1.0)
+                orth = orth + run_v * one_minus_eta  # + 0 is exact: the key term alone when the keys have none
+            # The pool's range of both rows in one reduction: max of x and of -x, for the distance and the novelty.
+            ranges = tl.max(tl.join(tl.join(tl.where(pool, min_dist, float("-inf")),
+                                            tl.where(pool, -min_dist, float("-inf"))),
+                                    tl.join(tl.where(pool, orth, float("-inf")),
+                                            tl.where(pool, -orth, float("-inf")))), 0)
+            dist_range, orth_range = tl.split(ranges)
+            hi, neg_lo = tl.split(dist_range)
+            hi_o, neg_lo_o = tl.split(orth_range)
+            score = ((min_dist + neg_lo) / ((hi + neg_lo) + eps0)
+                     + lam * ((orth + neg_lo_o) / ((hi_o + neg_lo_o) + eps0)))
+        else:
+            hi, neg_lo = tl.split(tl.max(tl.join(tl.where(pool, min_dist, float("-inf")),
+                                                 tl.where(pool, -min_dist, float("-inf"))), 0))
+            score = (min_dist + neg_lo) / ((hi + neg_lo) + eps0)
+        score = tl.where(pool, score, float("-inf"))
+        best = tl.max(score, 0) - tol
+        j = tl.min(tl.where(pool & (score >= best), offs, BLOCK), 0)
+
+
+@functools.cache
+def _compiled(interpret: bool):
+    """The kernel, jitted on first use (under the interpreter when ``TRITON_INTERPRET=1`` at that time)."""
+    return triton.jit(_greedy_kernel)
+
+
+@contextlib.contextmanager
+def _ieee_fp32() -> Iterator[None]:
+    """fp32 matmuls in full precision (no TF32) inside the block, whatever the process set."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+@functools.cache
+def _say_once(reason: str) -> None:
+    logger.info("cords-vllm: a greedy selection ran on the PyTorch path: %s", reason)
+
+
+def _warps(block: int) -> int:
+    """Warps per program: the fastest of 4-32 on an H100 at 484, 1,280 and 7,680 units (a step's reductions span
+    the program, so more warps pay only when each holds enough units)."""
+    return 4 if block <= 64 else 8 if block <= 256 else 16 if block <= 4096 else 32
+
+
+def cords_greedy_triton(feats: torch.Tensor, key_dim: int, valid: torch.Tensor, k: torch.Tensor, k_max: int, *,
+                        alpha: float, eta: float, lam: float, eps0: float, novelty: str) -> torch.Tensor | None:
+    """:func:`~cords_vllm.selection.cords.cords_greedy` (same arguments, same result) in one kernel launch.
+
+    ``feats``: ``[P, M, Dk + Dv]`` in the compute dtype (float32; other dtypes return ``None``); ``valid``:
+    ``bool [P, M]``; ``k``: ``long [P]``. Returns ``long [P, k_max]``, or ``None`` when the problem is not one
+    the kernel takes (the exact novelty, float64, more than :data:`MAX_UNITS` units or Gram matrices past
+    :data:`GRAM_LIMIT_BYTES`): the caller then runs the PyTorch path.
+    """
+    p_count, m_units, _ = feats.shape
+    use_orth = lam > 0.0
+    if use_orth and novelty != "max_cosine":
+        _say_once("the exact novelty (an ablation) has no kernel")
+        return None
+    if feats.dtype != torch.float32:
+        _say_once(f"features in {feats.dtype} (the kernel computes in float32)")
+        return None
+    use_kd, use_vd = alpha > 0.0, alpha < 1.0
+    use_ko, use_vo = use_orth and eta > 0.0, use_orth and eta < 1.0
+    need_k, need_v = use_kd or use_ko, use_vd or use_vo
+    grams = need_k + need_v
+    if m_units > MAX_UNITS or p_count * m_units * m_units * 4 * grams > GRAM_LIMIT_BYTES:
+        _say_once(f"{p_count} problem(s) of {m_units} units exceed the kernel's limits ({MAX_UNITS} units, "
+                  f"{GRAM_LIMIT_BYTES >> 30} GiB of Gram matrices)")
+        return None
+    keys, values = feats[..., :key_dim], feats[..., key_dim:]
+    empty = feats.new_zeros((1,))
+    with _ieee_fp32():
+        gk = torch.bmm(keys, keys.transpose(1, 2)) if need_k else empty
+        gv = torch.bmm(values, values.transpose(1, 2)) if need_v else empty
+    kn = torch.linalg.vector_norm(keys, dim=-1) if need_k else feats.new_zeros((p_count, m_units))
+    vn = torch.linalg.vector_norm(values, dim=-1) if need_v else kn
+    # The reference's seed score (cords._seed): ||k + v||, or the norm of the one space the distance reads.
+    seed = torch.linalg.vector_norm(keys + values, dim=-1) if use_kd and use_vd else (kn if use_kd else vn)
+    out = torch.empty((p_count, k_max), dtype=torch.long, device=feats.device)
+    tol = snap_tolerance(feats.dtype)
+    block = max(16, triton.next_power_of_2(m_units))
+    _compiled(interpreting())[(p_count,)](
+        gk, gv, kn.contiguous(), vn.contiguous(), seed.contiguous(), valid.contiguous(), k, out,
+        m_units, k_max, m_units * m_units,
+        alpha, 1.0 - alpha, -2.0 * alpha, -2.0 * (1.0 - alpha), eta, 1.0 - eta, lam, eps0, tol, -(1.0 - tol),
+        USE_KD=use_kd, USE_VD=use_vd, USE_KO=use_ko, USE_VO=use_vo, BLOCK=block, num_warps=_warps(block),
+        enable_fp_fusion=False)  # no fused multiply-adds: the reference's roundings, op for op
+    return out

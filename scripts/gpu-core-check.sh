@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The compress step's GPU check where only torch and Triton are installed (no vLLM, no network, nothing to install).
+#
+#   bash scripts/gpu-core-check.sh [--out DIR]      # default DIR: gpu-core-check-out/
+#
+# 1. pytest on the pure core (tests/compress, tests/selection, tests/metrics): with a GPU the CUDA-gated tests run,
+#    and the Triton kernels run compiled on CUDA tensors against the PyTorch path; tests that need vLLM skip, saying so.
+# 2. benchmarks/compress_step.py: one compression at a 7B model's shape per granularity and anchor set, the Triton
+#    kernels against the PyTorch path and the copy floor (wall and GPU ms, launches, host syncs, same kept ids), and
+#    the targets, PASS or MISS.
+# One summary at the end; exit 1 when a test failed or a kernel kept other tokens than the PyTorch path.
+# scripts/gpu-check.sh (the whole engine on a GPU) runs the same tests and benchmark among its steps.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=gpu-core-check-out
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --out) OUT=$2; shift 2 ;;
+    -h|--help) sed -n 2,12p "$0"; exit 0 ;;
+    *) echo "unknown argument: $1" >&2; exit 2 ;;
+  esac
+done
+PY=${PYTHON:-python3}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+mkdir -p "$OUT"
+WORKERS=()
+if "$PY" -c "import xdist" 2>/dev/null; then WORKERS=(-n 8); fi
+
+start=$(date +%s)
+"$PY" -c "import torch, triton; print('device:', torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA', '| torch', torch.__version__, '| Triton', triton.__version__)" | tee "$OUT/device.txt"
+"$PY" -m pytest -q -rs -p no:cacheprovider "${WORKERS[@]}" tests/compress tests/selection tests/metrics \
+  > "$OUT/pytest.log" 2>&1
+tests=$?
+"$PY" benchmarks/compress_step.py --out "$OUT" > "$OUT/compress_step.log" 2>&1
+bench=$?
+
+echo
+echo "## cords-vllm GPU core check ($(( $(date +%s) - start )) s)"
+echo "tests (exit $tests): $(grep -E '(passed|failed|error)' "$OUT/pytest.log" | tail -1)"
+echo "benchmark (exit $bench):"
+if [ -f "$OUT/compress_step.md" ]; then cat "$OUT/compress_step.md"; else tail -20 "$OUT/compress_step.log"; fi
+echo "logs: $OUT/"
+[ "$tests" -eq 0 ] && [ "$bench" -eq 0 ]

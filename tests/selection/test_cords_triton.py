@@ -1,0 +1,118 @@
+"""The greedy kernel (:mod:`cords_vllm.selection.cords_triton`) keeps the PyTorch path's units, bit for bit.
+
+Where no GPU is, on CPU under Triton's interpreter (``TRITON_INTERPRET=1``, set by ``tests/conftest.py``) at small
+sizes: the same kernel source that runs on CUDA, executed element by element. With a GPU, compiled, on CUDA tensors,
+against the PyTorch path on the same device. Every selector the kernel covers (CoRDS at its defaults and at the
+corners of its parameters, k_only, v_only), every granularity, joint and per head, with and without protected tokens,
+and with exact ties (duplicated tokens), where only the shared tie rule decides.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from kv_cases import Case, cases, random_candidates, random_kv
+
+import cords_vllm.selection.cords_triton as cords_triton
+from cords_vllm.kernel_backend import kernels_in_force
+from cords_vllm.selection import get_selector
+
+pytest.importorskip("triton")
+
+#: (policy, hyper-parameters): what the kernel covers.
+COVERED = [
+    ("cords", {}),
+    ("cords", {"space": "normalized"}),
+    ("cords", {"lam": 0.0}),
+    ("cords", {"alpha": 1.0, "eta": 0.0, "lam": 0.5}),
+    ("cords", {"alpha": 0.0, "eta": 1.0, "lam": 1.0}),
+    ("cords", {"alpha": 0.6, "eta": 1.0}),
+    ("cords", {"alpha": 0.1, "eta": 0.0}),
+    ("k_only", {}),
+    ("v_only", {}),
+]
+
+
+@pytest.fixture
+def launches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Problems each kernel launch ran (so a test sees that the kernel, not the fallback, chose)."""
+    seen: list[int] = []
+    original = cords_triton.cords_greedy_triton
+
+    def spy(feats: torch.Tensor, *args, **kwargs):
+        out = original(feats, *args, **kwargs)
+        if out is not None:
+            seen.append(feats.shape[0])
+        return out
+
+    monkeypatch.setattr(cords_triton, "cords_greedy_triton", spy)
+    return seen
+
+
+#: Where the kernels run: compiled on a GPU, interpreted on CPU.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _both(policy: str, params: dict, keys: torch.Tensor, values: torch.Tensor, budget: int, **kwargs):
+    selector = get_selector(policy, **params)
+    keys, values = keys.to(DEVICE), values.to(DEVICE)
+    kwargs = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    with kernels_in_force("torch"):
+        reference = selector.select(keys, values, budget, **kwargs)
+    with kernels_in_force("triton"):
+        kernel = selector.select(keys, values, budget, **kwargs)
+    return reference, kernel
+
+
+@pytest.mark.parametrize(("policy", "params"), COVERED)
+@pytest.mark.parametrize(("granularity", "group"), [("token", None), ("frame", 6), ("block", 4)])
+@pytest.mark.parametrize("per_head", [False, True])
+def test_kernel_keeps_the_reference_units(policy, params, granularity, group, per_head, launches):
+    keys, values = random_kv(3, 2, 2, 60, 8, torch.float32)
+    cand = random_candidates(3, 2, 60)
+    reference, kernel = _both(policy, params, keys, values, 20, candidates=cand, granularity=granularity,
+                              group_size=group, per_head=per_head)
+    assert launches, "the kernel did not run"
+    assert torch.equal(kernel.order, reference.order)
+    assert torch.equal(kernel.keep, reference.keep)
+
+
+@pytest.mark.parametrize(("policy", "params"), COVERED[:3] + COVERED[-2:])
+def test_exact_ties_follow_the_shared_tie_rule(policy, params, launches):
+    """Duplicated tokens (as a bf16 cache makes them) tie exactly: the lowest index wins in both paths."""
+    keys, values = random_kv(5, 1, 2, 48, 8, torch.float32)
+    keys[..., 24:, :], values[..., 24:, :] = keys[..., :24, :], values[..., :24, :]
+    keys[..., 7, :], values[..., 7, :] = keys[..., 3, :], values[..., 3, :]
+    reference, kernel = _both(policy, params, keys.bfloat16(), values.bfloat16(), 30)
+    assert launches
+    assert torch.equal(kernel.order, reference.order)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(case=cases(max_n=20, max_d=4, dtype=torch.float32))
+def test_kernel_equals_reference_on_random_problems(case: Case, launches):
+    reference, kernel = _both("cords", {}, case.keys, case.values, case.budget, **case.kwargs())
+    assert torch.equal(kernel.order, reference.order)
+    assert torch.equal(kernel.keep, reference.keep)
+
+
+def test_what_the_kernel_does_not_take_runs_the_reference(launches):
+    """The exact novelty (an ablation) and float64 features have no kernel: the PyTorch path runs them."""
+    keys, values = random_kv(1, 1, 2, 40, 8, torch.float64)
+    for params, k, v in (({"novelty": "exact"}, keys.float(), values.float()), ({}, keys, values)):
+        reference, kernel = _both("cords", params, k, v, 12)
+        assert torch.equal(kernel.order, reference.order)
+    assert launches == []
+
+
+def test_a_broken_kernel_is_caught(monkeypatch, launches):
+    """The comparison can fail: a kernel whose tie slack is a thousand times too wide picks other units."""
+    keys, values = random_kv(5, 1, 2, 48, 8, torch.float32)
+    keys[..., 24:, :], values[..., 24:, :] = keys[..., :24, :], values[..., :24, :]
+    original = cords_triton.snap_tolerance
+    monkeypatch.setattr(cords_triton, "snap_tolerance", lambda dtype: 1e3 * original(dtype))
+    reference, kernel = _both("cords", {}, keys, values, 30)
+    assert launches
+    assert not torch.equal(kernel.order, reference.order)
