@@ -7,7 +7,8 @@ granularity and anchor set, with each implementation (``--kernels``). Per row:
 
 * ``wall ms``: one compression as the worker sees it, launches and the host read included (median of
   ``--repeats``; the caches are restored from a pristine copy between runs, outside the timing);
-* ``GPU ms``: the device time between CUDA events around it;
+* ``GPU ms``: the time between CUDA events around it (the device waits for the host's launches too);
+  ``busy ms``: what the device's kernels and copies took, added up (profiler);
 * ``launches``: CUDA kernels and copies the device ran (profiler), ``syncs``: host synchronisations
   (``torch.cuda.set_sync_debug_mode``);
 * ``x floor``: wall time over the copy floor, the region read and the kept tokens written once in every layer at
@@ -85,6 +86,7 @@ class Row:
     wall_ms: float
     wall_min_ms: float
     gpu_ms: float | None
+    busy_ms: float | None
     launches: int | None
     syncs: int | None
     floor_ms: float
@@ -154,15 +156,18 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * 4 * n / min(times)
 
 
-def count_launches_and_syncs(run, device: torch.device) -> tuple[int | None, int | None]:
+def count_launches_and_syncs(run, device: torch.device) -> tuple[int | None, int | None, float | None]:
+    """Kernels and copies the device ran, host synchronisations, and the device's busy time (ms) of one ``run``."""
     if device.type != "cuda":
-        return None, None
+        return None, None, None
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         run()
         synchronize(device)
-    launches = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    device_events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    launches = len(device_events)
+    busy_ms = sum(e.time_range.elapsed_us() for e in device_events) / 1e3
     synchronize(device)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -173,7 +178,7 @@ def count_launches_and_syncs(run, device: torch.device) -> tuple[int | None, int
             torch.cuda.set_sync_debug_mode("default")
     synchronize(device)
     syncs = sum("synchronizing" in str(w.message) for w in caught)
-    return launches, syncs
+    return launches, syncs, busy_ms
 
 
 def measure(case: Case, kernels: str, device: torch.device, dtype: torch.dtype, repeats: int, bandwidth: float
@@ -210,14 +215,20 @@ def measure(case: Case, kernels: str, device: torch.device, dtype: torch.dtype, 
         if device.type == "cuda":
             gpus.append(start.elapsed_time(end))
     restore()
-    launches, syncs = count_launches_and_syncs(lambda: (restore(), synchronize(device), run()), device)
+    def restore_then_run() -> None:
+        restore()
+        synchronize(device)
+        run()
+
+    launches, syncs, busy_ms = count_launches_and_syncs(restore_then_run, device)
     if launches is not None:  # the restore's copies are not the compression's
-        launches -= shape.layers
+        restore_ms = (count_launches_and_syncs(restore, device)[2] or 0.0)
+        launches, busy_ms = launches - shape.layers, busy_ms - restore_ms
     element = caches[0].element_size()
     floor_bytes = shape.layers * (shape.held + shape.kept) * shape.heads * 2 * shape.head_size * element
     row = Row(case=case.name, kernels=kernels, held=shape.held, kept=shape.kept,
               wall_ms=statistics.median(walls), wall_min_ms=min(walls),
-              gpu_ms=statistics.median(gpus) if gpus else None, launches=launches, syncs=syncs,
+              gpu_ms=statistics.median(gpus) if gpus else None, busy_ms=busy_ms, launches=launches, syncs=syncs,
               floor_ms=1e3 * floor_bytes / bandwidth)
     return row, ids
 
@@ -259,10 +270,11 @@ def markdown(rows: list[Row], checks: list[tuple[str, bool | None, str]], header
         return "-" if x is None else format(x, spec)
 
     lines = [f"Device: {header['device']}; copy bandwidth {header['copy_gb_s']:.0f} GB/s (measured).", "",
-             "| case | kernels | wall ms | GPU ms | launches | syncs | x floor | x torch | same ids |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| case | kernels | wall ms | GPU ms | busy ms | launches | syncs | x floor | x torch | same ids |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r.case} | {r.kernels} | {r.wall_ms:.2f} | {fmt(r.gpu_ms)} | {fmt(r.launches, 'd')} | "
+        lines.append(f"| {r.case} | {r.kernels} | {r.wall_ms:.2f} | {fmt(r.gpu_ms)} | {fmt(r.busy_ms)} | "
+                     f"{fmt(r.launches, 'd')} | "
                      f"{fmt(r.syncs, 'd')} | {r.wall_ms / r.floor_ms:.0f} | {fmt(r.x_torch, '.1f')} | "
                      f"{'-' if r.same_ids is None else ('yes' if r.same_ids else 'NO')} |")
     if checks:

@@ -22,6 +22,7 @@ tensor back to the host.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -44,6 +45,38 @@ class KVAccessor(Protocol):
               ) -> None:
         """Store ``[T, H, D]`` keys/values, in the cache's dtype, at ``slots``."""
         ...
+
+    def token_runs(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
+        """Where the token at ``slots[h, i]`` (``long [H, n]``) keeps its keys and values for head ``h``, as runs of
+        contiguous elements: per part of the token (keys and values together, or each alone), ``(runs, r)`` with
+        ``runs`` ``long [H, n, w]`` the rows of :func:`run_view` ``(kv_cache, r)`` holding it, in channel order.
+        Moving every part's rows moves the token, element for element."""
+        ...
+
+    def layout_key(self, kv_cache: torch.Tensor) -> tuple:
+        """Equal for two layers whose caches :meth:`token_offsets` addresses alike (so offsets are shared)."""
+        ...
+
+
+def run_view(kv_cache: torch.Tensor, run: int) -> torch.Tensor:
+    """``[N, run]``: ``kv_cache``'s storage from its first element on, whatever its strides, as rows of ``run``
+    elements (what :meth:`KVAccessor.token_runs` index)."""
+    n = kv_cache.untyped_storage().nbytes() // kv_cache.element_size() - kv_cache.storage_offset()
+    return kv_cache.as_strided((n // run, run), (run, 1))
+
+
+def run_length(perm: torch.Tensor) -> int:
+    """The longest run ``r`` (a power of two dividing ``D``) such that ``perm`` (``long [bs, D]``) places every
+    aligned group of ``r`` channels of a token at ``r`` consecutive elements starting at a multiple of ``r``."""
+    bs, d = perm.shape
+    r = d & -d  # the largest power of two dividing D
+    while r > 1:
+        starts = perm[:, ::r]
+        if bool((starts % r == 0).all()) and bool(
+                (perm.view(bs, d // r, r) == starts[..., None] + torch.arange(r, device=perm.device)).all()):
+            return r
+        r //= 2
+    return 1
 
 
 def slots_of(blocks: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -76,6 +109,18 @@ class PagedAccessor:
               ) -> None:
         kv_cache[slots // self.block_size, :, slots % self.block_size] = torch.cat([keys, values], dim=-1)
 
+    def token_runs(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
+        s_block, s_head, s_offset, s_channel = kv_cache.stride()
+        heads = torch.arange(self.num_kv_heads, device=slots.device)[:, None]
+        base = (slots // self.block_size) * s_block + (slots % self.block_size) * s_offset + heads * s_head
+        width = 2 * self.head_size
+        if s_channel == 1 and all(x % width == 0 for x in (s_block, s_head, s_offset, kv_cache.storage_offset())):
+            return [((base // width)[..., None], width)]  # a token's keys and values: one row of 2 * D
+        return [(base[..., None] + torch.arange(width, device=slots.device) * s_channel, 1)]
+
+    def layout_key(self, kv_cache: torch.Tensor) -> tuple:
+        return "paged", self.block_size, self.num_kv_heads, self.head_size, tuple(kv_cache.stride())
+
 
 @dataclass(frozen=True)
 class CPUTileAccessor:
@@ -105,7 +150,8 @@ class CPUTileAccessor:
     def read(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         flat = kv_cache.reshape(-1)
         k_at, v_at = self._offsets(kv_cache, slots)
-        return flat[k_at], flat[v_at]
+        return flat.index_select(0, k_at.reshape(-1)).view(k_at.shape), \
+            flat.index_select(0, v_at.reshape(-1)).view(v_at.shape)
 
     def write(self, kv_cache: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
               ) -> None:
@@ -113,3 +159,26 @@ class CPUTileAccessor:
         k_at, v_at = self._offsets(kv_cache, slots)
         flat[k_at] = keys
         flat[v_at] = values
+
+    def token_runs(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
+        if not kv_cache.is_contiguous():
+            raise ValueError("the CPU KV cache tensor of a layer must be contiguous")
+        h, bs, d = self.num_kv_heads, self.block_size, self.head_size
+        heads = torch.arange(h, device=slots.device)[:, None]
+        base = ((slots // bs * h + heads) * (2 * bs * d))[..., None]  # [H, n, 1]: the (block, head) K tile
+        offset = slots % bs
+        return [((base + tile) // r + starts[offset], r) for tile, (starts, r) in zip((0, bs * d), self.runs,
+                                                                                   strict=True)]
+
+    @functools.cached_property
+    def runs(self) -> tuple[tuple[torch.Tensor, int], tuple[torch.Tensor, int]]:
+        """Per tile (keys, values): the rows of ``r`` elements each token offset's channels start in, within the
+        tile (``long [bs, D / r]``), and ``r`` (:func:`run_length`: ISA packings keep some runs whole)."""
+        out = []
+        for perm in (self.k_perm, self.v_perm):
+            r = run_length(perm)
+            out.append((perm[:, ::r] // r, r))
+        return out[0], out[1]
+
+    def layout_key(self, kv_cache: torch.Tensor) -> tuple:
+        return "cpu-tile", self.block_size, self.num_kv_heads, self.head_size, id(self.k_perm), id(self.v_perm)

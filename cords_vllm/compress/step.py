@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cords_vllm.compress.kv_access import KVAccessor, PagedAccessor
+from cords_vllm.compress.kv_access import KVAccessor, PagedAccessor, run_view
 from cords_vllm.compress.kv_codec import KVCodec, PlainCodec
 from cords_vllm.compress.tensor_parallel import HeadGather
 from cords_vllm.kernel_backend import kernels_in_force, use_triton
@@ -231,7 +231,8 @@ def compress_region(caches: Sequence[torch.Tensor], accessors: Sequence[KVAccess
         This compression (:class:`RegionBatch`) and the model's selection setup.
     nonfinite:
         Optional ``long []`` counter on the caches' device, raised by one when the anchors' keys or values held
-        NaN or inf (no host read: the caller reads it when it publishes).
+        NaN or inf, read from their sums (values whose sum overflows float32 count too; no host read: the caller
+        reads it when it publishes).
 
     Returns
     -------
@@ -258,8 +259,8 @@ def _compress_region(caches: Sequence[torch.Tensor], accessors: Sequence[KVAcces
     decoded = {a: (codecs[a] if codecs is not None else PlainCodec()).features(*read[a]) for a in anchors}
     keys = torch.stack([decoded[a][0].transpose(0, 1) for a in anchors])
     values = torch.stack([decoded[a][1].transpose(0, 1) for a in anchors])
-    if nonfinite is not None:
-        nonfinite += ~(torch.isfinite(keys).all() & torch.isfinite(values).all())
+    if nonfinite is not None:  # a NaN or inf anywhere makes the sums non-finite (two reductions, no mask)
+        nonfinite += ~torch.isfinite(keys.sum() + values.sum())
     keys, values = finite_features(keys), finite_features(values)
     anchor_tokens = [tokens[a] for a in anchors]
     stacked = HeldTokens(torch.stack([t.ids for t in anchor_tokens]),
@@ -273,11 +274,7 @@ def _compress_region(caches: Sequence[torch.Tensor], accessors: Sequence[KVAcces
 
         copy_kept(caches, positions, anchor_row, batch.src_slots, batch.dst_slots)
     else:
-        head_index = torch.arange(heads, device=positions.device)[None, :]
-        for layer, accessor in enumerate(accessors):
-            pos = positions[anchor_row[layer]]  # [H, num_keep]
-            k, v = read[layer] if layer in read else accessor.read(caches[layer], batch.src_slots)
-            accessor.write(caches[layer], batch.dst_slots, k[pos.T, head_index], v[pos.T, head_index])
+        move_kept(caches, accessors, positions, anchor_row, batch)
     # Every layer of one anchor held the same tokens and keeps the same positions: one object for them all, so
     # that the next compression builds their region's tokens once.
     kept: dict[tuple[int, int], HeldTokens] = {}
@@ -285,6 +282,32 @@ def _compress_region(caches: Sequence[torch.Tensor], accessors: Sequence[KVAcces
         if (id(tokens[layer]), row) not in kept:
             kept[id(tokens[layer]), row] = tokens[layer].gather(positions[row])
     return [kept[id(tokens[layer]), row] for layer, row in enumerate(anchor_row)]
+
+
+def move_kept(caches: Sequence[torch.Tensor], accessors: Sequence[KVAccessor], positions: torch.Tensor,
+              anchor_row: Sequence[int], batch: RegionBatch) -> None:
+    """The copy on the PyTorch path: in every layer, the token at kept row ``positions[anchor_row[l], h, i]`` of the
+    region (``long [A, H, num_keep]``) goes to ``batch.dst_slots[i]``, head by head, element for element.
+
+    Per layer and part of a token (:meth:`~cords_vllm.compress.kv_access.KVAccessor.token_runs`: keys and values
+    together, or each alone), a gather of the kept tokens' runs of contiguous elements, then a scatter of what it
+    read (so kept blocks may overlap sources). The runs are computed once per layout and anchor, and only the kept
+    tokens are read.
+    """
+    heads = positions.shape[1]
+    dst = batch.dst_slots.expand(heads, -1)
+    runs: dict[tuple, list[tuple[torch.Tensor, int]]] = {}
+    for layer, (cache, accessor) in enumerate(zip(caches, accessors, strict=True)):
+        key, row = accessor.layout_key(cache), anchor_row[layer]
+        if key not in runs:
+            runs[key] = accessor.token_runs(cache, dst)
+        if (key, row) not in runs:
+            runs[key, row] = accessor.token_runs(cache, batch.src_slots[positions[row]])
+        for (to, r), (source, _) in zip(runs[key], runs[key, row], strict=True):
+            rows = run_view(cache, r)
+            if r == 1:  # single elements: a 1-D gather is faster than one of rows of one
+                rows = rows.view(-1)
+            rows.index_copy_(0, to.reshape(-1), rows.index_select(0, source.reshape(-1)))
 
 
 def _copy_in_one_launch(caches: Sequence[torch.Tensor], accessors: Sequence[KVAccessor]) -> bool:
