@@ -1,0 +1,49 @@
+"""The engine runs the implementation ``kernels`` names, says so at start-up, and keeps the same tokens with each.
+
+On CPU the Triton kernels run under Triton's interpreter (``tests/conftest.py`` sets ``TRITON_INTERPRET=1`` where
+no GPU is): ``kernels="triton"`` drives the real engine through the greedy kernel (the CPU cache's packed tiles
+take the PyTorch copy), against ``kernels="torch"``, the reference. ``auto`` on CPU is the reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from cords_vllm.config import KVPolicyConfig, KVPolicyConfigError
+from tests.engine.conftest import VIDEO_PROMPT, run_engine, video
+
+
+def test_the_kernels_key_reaches_the_workers_and_both_paths_keep_the_same_tokens(tiny_model, capfd):
+    prompts = [{"prompt": VIDEO_PROMPT, "multi_modal_data": {"video": video(48)}}]
+    runs = {kernels: run_engine(tiny_model, prompts, "cords", max_tokens=4, budget=256, slack=64, kernels=kernels)
+            for kernels in ("torch", "triton")}
+    captured = capfd.readouterr()
+    log = captured.err + captured.out
+    assert "compress step on cpu: PyTorch reference (forced; kernels=torch" in log
+    assert "compress step on cpu: Triton kernels (kernels=triton, from kv_policy_config 'kernels')" in log
+    torch_run, triton_run = runs["torch"], runs["triton"]
+    assert torch_run.compressions >= 2 and triton_run.compressions == torch_run.compressions
+    assert [e.kept_logical for e in triton_run.events] != []
+    for a, b in zip(torch_run.events, triton_run.events, strict=True):
+        assert all((x == y).all() for x, y in zip(a.kept_logical, b.kept_logical, strict=True))
+    assert triton_run.token_ids == torch_run.token_ids
+    assert triton_run.free_blocks_after == triton_run.free_blocks_before
+
+
+@pytest.mark.parametrize("value", ["cuda", "TRITON", 1, True])
+def test_an_unknown_kernels_value_stops_the_configuration(value):
+    with pytest.raises(KVPolicyConfigError, match="'kernels' must be one of"):
+        KVPolicyConfig.parse("cords", {"kernels": value})
+
+
+def test_an_unknown_environment_choice_stops_the_configuration(monkeypatch):
+    monkeypatch.setenv("CORDS_VLLM_KERNELS", "cuda")
+    with pytest.raises(KVPolicyConfigError, match="CORDS_VLLM_KERNELS must be one of"):
+        KVPolicyConfig.parse("cords", {})
+    assert KVPolicyConfig.parse("cords", {"kernels": "torch"}).kernels == "torch"  # the key wins
+
+
+def test_kernels_round_trips_through_the_configuration():
+    config = KVPolicyConfig.parse("cords", {"kernels": "torch"})
+    assert config.kernels == "torch" and KVPolicyConfig.parse("cords", config.to_json()) == config
+    assert "kernels" not in KVPolicyConfig.parse("cords", {}).to_json()
