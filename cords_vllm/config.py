@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from cords_vllm.compress.plan import BudgetSettings, stream_footprint_blocks
 from cords_vllm.kernel_backend import CHOICES as KERNEL_CHOICES
-from cords_vllm.kernel_backend import ENV as KERNELS_ENV
+from cords_vllm.kernel_backend import requested as requested_kernels
 from cords_vllm.selection import available_selectors, get_selector, selector_params
 from cords_vllm.selection.base import GRANULARITIES
 
@@ -177,9 +176,11 @@ class KVPolicyConfig:
         if kernels is not None and kernels not in KERNEL_CHOICES:
             raise KVPolicyConfigError(
                 f"kv_policy_config key 'kernels' must be one of {list(KERNEL_CHOICES)}, got {kernels!r}")
-        if kernels is None and (os.environ.get(KERNELS_ENV) or "auto") not in KERNEL_CHOICES:
-            raise KVPolicyConfigError(f"environment variable {KERNELS_ENV} must be one of {list(KERNEL_CHOICES)}, "
-                                      f"got {os.environ[KERNELS_ENV]!r}")
+        if kernels is None:
+            try:
+                requested_kernels()  # the environment's choice, checked at start-up rather than per compression
+            except ValueError as exc:
+                raise KVPolicyConfigError(f"environment variable {exc}") from None
         return cls(policy=policy, budget=budget, recent=recent, slack=slack, granularity=granularity,
                    per_head=per_head, anchors=_anchors(engine.get("anchors", [0])),
                    modalities=_modalities(engine.get("modalities", list(MODALITIES))), max_text_tokens=max_text,

@@ -8,9 +8,10 @@ Two implementations sit behind the same functions (:func:`~cords_vllm.selection.
   :mod:`cords_vllm.compress.copy_triton`) that keep the same tokens with a fixed, small number of launches.
 
 The choice (:data:`CHOICES`) comes from ``kv_policy_config`` key ``kernels`` (the worker sets it for its
-compressions with :func:`kernels_in_force`), else from the environment variable :data:`ENV`, else ``"auto"``:
-Triton on a CUDA device when Triton imports, PyTorch elsewhere. ``"triton"`` forces the kernels (on a CPU tensor
-only under ``TRITON_INTERPRET=1``, how the tests run them); ``"torch"`` forces the reference. No vLLM import.
+compressions with :func:`kernels_in_force`), else from the environment variable :data:`ENV`, else ``"auto"``: Triton
+on a CUDA device of compute capability 8.0 or newer when Triton imports, PyTorch elsewhere. ``"triton"`` forces the
+kernels (on a CPU tensor only under ``TRITON_INTERPRET=1``, how the tests run them); ``"torch"`` forces the
+reference. No vLLM import.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ import torch
 ENV = "CORDS_VLLM_KERNELS"
 #: Accepted values of :data:`ENV` and of ``kv_policy_config`` key ``kernels``.
 CHOICES: tuple[str, ...] = ("auto", "triton", "torch")
+
+#: The oldest CUDA compute capability ``auto`` runs the kernels on (Triton's fully supported range starts there).
+MIN_CAPABILITY = (8, 0)
 
 _IN_FORCE: contextvars.ContextVar[str | None] = contextvars.ContextVar("cords_vllm_kernels", default=None)
 
@@ -77,6 +81,18 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def capable(device: torch.device) -> bool:
+    """Whether ``auto`` may run the kernels on ``device``: a CUDA device of :data:`MIN_CAPABILITY` or newer."""
+    if device.type != "cuda":
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= MIN_CAPABILITY
+
+
 def use_triton(device: torch.device) -> bool:
     """Whether work on ``device`` runs the Triton kernels.
 
@@ -91,7 +107,7 @@ def use_triton(device: torch.device) -> bool:
         why = "Triton is not installed" if not triton_available() else \
             f"tensors on {device.type} need CUDA (or TRITON_INTERPRET=1 on CPU)"
         raise RuntimeError(f"cords-vllm kernels 'triton' were asked for, but {why}")
-    return runnable if choice == "triton" else device.type == "cuda" and runnable
+    return runnable if choice == "triton" else runnable and capable(device)
 
 
 def describe(device: torch.device) -> str:
@@ -101,6 +117,12 @@ def describe(device: torch.device) -> str:
         ENV if os.environ.get(ENV) else "default")
     if use_triton(device):
         return f"Triton kernels (kernels={choice}, from {source})"
-    why = "forced" if choice == "torch" else ("Triton is not installed" if not triton_available() else
-                                              f"no kernels for {device.type}")
+    if choice == "torch":
+        why = "forced"
+    elif not triton_available():
+        why = "Triton is not installed"
+    elif device.type == "cuda":
+        why = f"compute capability below {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}"
+    else:
+        why = f"no kernels for {device.type}"
     return f"PyTorch reference ({why}; kernels={choice}, from {source})"

@@ -7,20 +7,40 @@ take the PyTorch copy), against ``kernels="torch"``, the reference. ``auto`` on 
 
 from __future__ import annotations
 
+import logging
+import re
+
 import pytest
 
+import cords_vllm.integration.worker.compressor as compressor
 from cords_vllm.config import KVPolicyConfig, KVPolicyConfigError
 from tests.engine.conftest import VIDEO_PROMPT, run_engine, video
 
 
-def test_the_kernels_key_reaches_the_workers_and_both_paths_keep_the_same_tokens(tiny_model, capfd):
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def test_the_kernels_key_reaches_the_workers_and_both_paths_keep_the_same_tokens(tiny_model):
     prompts = [{"prompt": VIDEO_PROMPT, "multi_modal_data": {"video": video(48)}}]
-    runs = {kernels: run_engine(tiny_model, prompts, "cords", max_tokens=4, budget=256, slack=64, kernels=kernels)
-            for kernels in ("torch", "triton")}
-    captured = capfd.readouterr()
-    log = captured.err + captured.out
-    assert "compress step on cpu: PyTorch reference (forced; kernels=torch" in log
-    assert "compress step on cpu: Triton kernels (kernels=triton, from kv_policy_config 'kernels')" in log
+    worker_log = logging.getLogger(compressor.__name__)
+    lines, level = _Lines(), worker_log.level
+    worker_log.addHandler(lines)
+    worker_log.setLevel(logging.INFO)
+    try:
+        runs = {kernels: run_engine(tiny_model, prompts, "cords", max_tokens=4, budget=256, slack=64,
+                                    kernels=kernels) for kernels in ("torch", "triton")}
+    finally:
+        worker_log.removeHandler(lines)
+        worker_log.setLevel(level)
+    log = "\n".join(lines.lines)
+    assert re.search(r"compress step on \S+: PyTorch reference \(forced; kernels=torch", log)
+    assert re.search(r"compress step on \S+: Triton kernels \(kernels=triton, from kv_policy_config 'kernels'\)", log)
     torch_run, triton_run = runs["torch"], runs["triton"]
     assert torch_run.compressions >= 2 and triton_run.compressions == torch_run.compressions
     assert [e.kept_logical for e in triton_run.events] != []

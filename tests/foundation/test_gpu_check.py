@@ -16,7 +16,8 @@ from cords_vllm.lab.gpu_check import FAIL, PASS, SKIP, Fail, Row, Skip, first_er
 REPO = Path(__file__).resolve().parents[2]
 
 #: Rows skipped on CPU by design; every other row must pass.
-CPU_SKIPS = {"install .[cuda,dev,ray]", "CUDA-gated tests (pytest)", "plain vLLM bf16: live stream",
+CPU_SKIPS = {"install .[cuda,dev,ray]", "CUDA-gated tests (pytest)", "compress-step benchmark (kernels vs PyTorch)",
+             "plain vLLM bf16: live stream",
              *(f"cords bf16 + Ray: {part}" for part in ("serve", "video chats", "live stream",
                                                          "/metrics compressions", "KV blocks returned"))}
 #: Rows the check must have (a step silently dropped would pass otherwise).
@@ -28,6 +29,8 @@ REQUIRED = [
     "answers: none bf16 = plain vLLM bf16 (the plugin loaded, no policy)",
     "answers: cords bf16 = none bf16 (videos under the budget)",
     "HF exactness (fp32, compressed engine = HF reference)",
+    "CUDA-gated tests (pytest)",
+    "compress-step benchmark (kernels vs PyTorch)",
 ]
 
 
