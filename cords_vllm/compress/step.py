@@ -57,6 +57,7 @@ from cords_vllm.compress.tensor_parallel import HeadGather
 from cords_vllm.kernel_backend import kernels_in_force, use_triton
 from cords_vllm.selection.base import Selector
 from cords_vllm.selection.exact import select_exact
+from cords_vllm.selection.observation import Observation
 
 #: Host synchronisations one :func:`compress_region` call makes at most, per granularity (see the module
 #: docstring): measured on CPU by counting ``_local_scalar_dense`` / ``is_nonzero`` / ``nonzero`` / masked
@@ -93,6 +94,8 @@ class RegionBatch:
         region still holds, and how far one of them was trimmed, was decided on the device.
     frame_tokens:
         Tokens per frame for frame-aware policies at token granularity, or ``None``.
+    observed:
+        The observation queries of attention-scored policies (:class:`ObservedQueries`), or ``None``.
     """
 
     src_slots: torch.Tensor
@@ -106,6 +109,43 @@ class RegionBatch:
     group_size: int | None = None
     frame_budget: int | None = None
     frame_tokens: int | None = None
+    observed: ObservedQueries | None = None
+
+
+@dataclass(frozen=True)
+class ObservedQueries:
+    """The observation queries of one request, as the engine captured them on its anchor layers.
+
+    Attributes
+    ----------
+    queries:
+        ``[A, Hq, W, D]``: per anchor layer, the ``W`` captured query rows of every query head (rotary applied), in
+        the cache's device.
+    ids:
+        ``long [W]``: each row's token id (the ids of :class:`HeldTokens`); ``-1``: a row not captured (yet).
+    causal:
+        Whether a row sees only the tokens up to its own id (a window of the newest tokens); ``False``: every row
+        sees every held token (a proxy placed before them).
+    """
+
+    queries: torch.Tensor
+    ids: torch.Tensor
+    causal: bool
+
+    def observation(self, token_ids: torch.Tensor, num_kv_heads: int, per_head: bool) -> Observation:
+        """The selector's :class:`~cords_vllm.selection.observation.Observation` over the held tokens of each
+        anchor, ``token_ids``: ``long [A, T]``. Per head (problems ``[A * H]``), each KV head's query group is the
+        observation of its own problem."""
+        rows = self.ids >= 0  # [W]
+        visible = rows[None, :, None].expand(token_ids.shape[0], -1, token_ids.shape[1])
+        if self.causal:
+            visible = visible & (token_ids[:, None, :] <= self.ids[None, :, None])
+        queries = finite_features(self.queries)
+        if per_head:
+            a, hq, w, d = queries.shape
+            queries = queries.reshape(a * num_kv_heads, hq // num_kv_heads, w, d)
+            visible = visible.repeat_interleave(num_kv_heads, dim=0)
+        return Observation(queries, visible)
 
 
 @dataclass(frozen=True)
@@ -194,11 +234,20 @@ def select_positions(setup: SelectionSetup, keys: torch.Tensor, values: torch.Te
         labels = None if labels is None else labels[:, 0]
         if setup.gather_heads is not None:  # one collective: keys and values of every anchor together
             k, v = setup.gather_heads(torch.stack([keys, values])).unbind(0)
+    observation = None
+    if setup.selector.needs_observation:
+        if batch.observed is None:
+            raise ValueError(f"{setup.selector.name} scores tokens by observed attention: the batch carries no "
+                             "observation queries")
+        if setup.gather_heads is not None:
+            raise ValueError(f"{setup.selector.name}: joint selection under tensor parallelism needs every rank's "
+                             "queries, which the compress step does not gather; select per head")
+        observation = batch.observed.observation(tokens.ids[:, 0], h, setup.per_head)
     positions = select_exact(
         setup.selector, k, v, batch.num_keep_candidates, candidates=cand, granularity=setup.granularity,
         group_size=batch.group_size, group_index=labels if setup.granularity == "frame" else None,
         num_candidates=batch.num_candidates, frame_budget=batch.frame_budget, frame_tokens=batch.frame_tokens,
-        generator=generator)
+        generator=generator, observation=observation)
     return positions.reshape(a, h, -1) if setup.per_head else positions[:, None, :].expand(a, h, -1)
 
 

@@ -11,7 +11,8 @@ No vLLM import: everything here works on plain ``[B, H, N, D]`` key/value tensor
 Adding a policy: write one module with one ``@register_selector("name")`` frozen dataclass subclassing
 :class:`Selector` (fields declared with :func:`hyperparameter`, numpy docstring with the idea, the paper
 and each parameter), implement ``_order_units`` (choose ``k[p]`` units per problem, lowest index on
-ties), set the traits ``uses_token_order`` / ``stochastic`` / ``needs_frame_length`` if they apply, and
+ties), set the traits ``uses_token_order`` / ``stochastic`` / ``needs_frame_length`` / ``needs_observation`` if they
+apply, and
 import the module below. The shared test matrix in ``tests/selection/test_selector_contract.py`` then
 runs it through every contract test (exact counts, protected tokens, determinism, batch independence,
 permutation equivariance unless it uses token order, low-precision inputs).
@@ -25,6 +26,8 @@ from cords_vllm.selection import (  # noqa: F401  (imported to register the buil
     infinipot_v,
     randomized,
     recency,
+    snapkv,
+    streammem,
     uniform,
     value_norm,
 )
@@ -33,6 +36,7 @@ from cords_vllm.selection.batch import GRANULARITIES, UnitBatch, compute_dtype
 from cords_vllm.selection.cords import NOVELTY_VARIANTS, CoRDSSelector, cords_greedy
 from cords_vllm.selection.d2 import KOnlySelector, VOnlySelector
 from cords_vllm.selection.infinipot_v import InfiniPotVSelector
+from cords_vllm.selection.observation import Observation, observed_attention
 from cords_vllm.selection.params import ParamSpec, hyperparameter
 from cords_vllm.selection.randomized import RandomSelector
 from cords_vllm.selection.recency import RecencySelector
@@ -44,6 +48,8 @@ from cords_vllm.selection.registry import (
     selector_params,
 )
 from cords_vllm.selection.result import SelectionResult, kept_candidate_count
+from cords_vllm.selection.snapkv import SnapKVSelector
+from cords_vllm.selection.streammem import StreamMemSelector
 from cords_vllm.selection.uniform import UniformSelector
 from cords_vllm.selection.value_norm import ValueNormSelector
 
@@ -53,11 +59,14 @@ __all__ = [
     "CoRDSSelector",
     "InfiniPotVSelector",
     "KOnlySelector",
+    "Observation",
     "ParamSpec",
     "RandomSelector",
     "RecencySelector",
     "SelectionResult",
     "Selector",
+    "SnapKVSelector",
+    "StreamMemSelector",
     "UniformSelector",
     "UnitBatch",
     "VOnlySelector",
@@ -68,6 +77,7 @@ __all__ = [
     "get_selector",
     "hyperparameter",
     "kept_candidate_count",
+    "observed_attention",
     "register_selector",
     "selector_class",
     "selector_params",

@@ -50,6 +50,7 @@ from cords_vllm.selection.batch import (
     compute_dtype,
 )
 from cords_vllm.selection.granularity import units_to_mask
+from cords_vllm.selection.observation import Observation, observed_attention
 from cords_vllm.selection.params import ParamSpec, check_params, hyperparameter, param_specs_of
 from cords_vllm.selection.result import SelectionResult, kept_candidate_count
 from cords_vllm.selection.validation import check_group_index, check_select_inputs
@@ -58,6 +59,7 @@ __all__ = [
     "GRANULARITIES",
     "Granularity",
     "HostCounts",
+    "Observation",
     "ParamSpec",
     "SelectionResult",
     "Selector",
@@ -88,12 +90,23 @@ class Selector(abc.ABC):
     needs_frame_length:
         True if the policy reads the frame structure: at token granularity ``group_size`` (tokens per
         frame) is then required.
+    needs_observation:
+        True if the policy scores tokens by the attention of observation queries (SnapKV, StreamMem): an
+        :class:`~cords_vllm.selection.observation.Observation` is then required, and the policy reads
+        :attr:`UnitBatch.scores`.
+    observation_source:
+        Where an engine takes the observation queries from, for ``needs_observation`` policies:
+        ``"newest_candidates"`` (the newest video tokens, each seeing only the tokens before it) or
+        ``"prompt_before_candidates"`` (the text right before the first video, seeing every held token); the
+        policy's ``window`` says how many rows. ``None`` otherwise.
     """
 
     name: ClassVar[str] = ""
     uses_token_order: ClassVar[bool] = False
     stochastic: ClassVar[bool] = False
     needs_frame_length: ClassVar[bool] = False
+    needs_observation: ClassVar[bool] = False
+    observation_source: ClassVar[str | None] = None
 
     def __post_init__(self) -> None:
         check_params(self, self.name or type(self).__name__)
@@ -124,6 +137,7 @@ class Selector(abc.ABC):
         per_head: bool = False,
         generator: torch.Generator | None = None,
         counts: HostCounts | None = None,
+        observation: Observation | None = None,
     ) -> SelectionResult:
         """Choose which tokens of each problem to keep.
 
@@ -168,6 +182,10 @@ class Selector(abc.ABC):
             What the caller knows on the host (:class:`~cords_vllm.selection.batch.HostCounts`): the call then
             reads nothing back from the device, skips the data checks the counts vouch for, and checks the
             policy's output with a device assertion. ``None``: checked and read from the device.
+        observation:
+            The observation queries of every problem
+            (:class:`~cords_vllm.selection.observation.Observation`): required by the attention-scored policies
+            (``needs_observation``), ignored by the others.
 
         Returns
         -------
@@ -182,9 +200,16 @@ class Selector(abc.ABC):
         if self.needs_frame_length and group_size is None:
             raise ValueError(f"group_size: {self.name} needs group_size = tokens per frame at token "
                              "granularity")
+        token_scores = None
+        if self.needs_observation:
+            if observation is None:
+                raise ValueError(f"observation: {self.name} scores tokens by the attention of observation queries; "
+                                 "pass observation=Observation(queries=[B, Hq, W, D])")
+            observation.check(keys)
+            token_scores = observed_attention(keys, observation, compute_dtype(keys.dtype))
         units, layout = build_units(keys, values, budget, candidates=candidates, granularity=granularity,
                                     group_size=group_size, group_index=group_index, per_head=per_head,
-                                    generator=generator, counts=counts)
+                                    generator=generator, counts=counts, token_scores=token_scores)
         order = self._order_units(units) if units.k_max > 0 else units.empty_order()
         chosen = self._check_order(order, units, on_device=counts is not None)
         return SelectionResult(keep=layout.keep(chosen), order=layout.order(order), granularity=granularity,

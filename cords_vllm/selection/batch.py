@@ -101,6 +101,11 @@ class UnitBatch:
         As passed to :meth:`~cords_vllm.selection.base.Selector.select`.
     generator:
         The caller's random generator, or ``None``.
+    scores:
+        ``[P, M]``, attention-scored policies only (``needs_observation``): the mean attention each unit's tokens
+        receive from the observation queries (:func:`~cords_vllm.selection.observation.observed_attention`; the
+        mean over the KV heads in joint scope, over a group's tokens at frame/block granularity); ``None``
+        otherwise.
     """
 
     feats: torch.Tensor
@@ -114,6 +119,7 @@ class UnitBatch:
     granularity: str
     group_size: int | None
     generator: torch.Generator | None = None
+    scores: torch.Tensor | None = None
 
     @property
     def keys(self) -> torch.Tensor:
@@ -252,6 +258,7 @@ def build_units(
     per_head: bool,
     generator: torch.Generator | None,
     counts: HostCounts | None = None,
+    token_scores: torch.Tensor | None = None,
 ) -> tuple[UnitBatch, UnitLayout]:
     """Lay a (validated) selection input out as units.
 
@@ -265,6 +272,9 @@ def build_units(
     counts:
         The host counts the caller knows (:class:`HostCounts`), or ``None``: then the number of units and
         ``k_max`` are read from the device, and labelled groups are checked (host reads).
+    token_scores:
+        ``[B, H, N]``, optional: a score per token and KV head (observed attention), laid out as
+        :attr:`UnitBatch.scores`.
 
     Returns
     -------
@@ -312,9 +322,13 @@ def build_units(
         feats = group_features(keys, values, cand_bn, _require_group_size(group_size, granularity), n_units,
                                per_head, cdt, None if counts is None else counts.max_candidates)
 
+    scores = None
+    if token_scores is not None:
+        per_token = token_scores.reshape(p_count, n_tok) if per_head else token_scores.mean(dim=1)  # [P, N]
+        scores = per_token if u.group is None else group_centroids(per_token[..., None], u.group, n_units)[..., 0]
     units = UnitBatch(feats=feats, key_dim=key_dim, valid=u.valid, rank=u.rank, count=u.count, k=u.k,
                       k_max=k_max, period=u.period, granularity=granularity, group_size=group_size,
-                      generator=generator)
+                      generator=generator, scores=scores)
     layout = UnitLayout(candidates=cand, group=u.group, keep_all=u.keep_all,
                         lead=(b_count, h_count) if per_head else (b_count,))
     return units, layout

@@ -33,6 +33,7 @@ import torch
 from cords_vllm.selection.base import Selector
 from cords_vllm.selection.batch import HostCounts
 from cords_vllm.selection.granularity import candidate_ranks, labelled_group_ids
+from cords_vllm.selection.observation import Observation
 from cords_vllm.utils import cdiv
 
 
@@ -40,7 +41,8 @@ def select_exact(selector: Selector, keys: torch.Tensor, values: torch.Tensor, n
                  candidates: torch.Tensor, granularity: str = "token", group_size: int | None = None,
                  group_index: torch.Tensor | None = None, num_candidates: int | None = None,
                  frame_budget: int | None = None, frame_tokens: int | None = None,
-                 generator: torch.Generator | None = None) -> torch.Tensor:
+                 generator: torch.Generator | None = None,
+                 observation: Observation | None = None) -> torch.Tensor:
     """Sorted positions of the protected tokens and of exactly ``need`` chosen candidates.
 
     Parameters
@@ -68,6 +70,8 @@ def select_exact(selector: Selector, keys: torch.Tensor, values: torch.Tensor, n
         ``need`` tokens, read from the frame sizes (in the call's one host read).
     frame_tokens:
         Tokens per frame, passed to frame-aware policies at token granularity (``infinipot_v``).
+    observation:
+        The observation queries of attention-scored policies, passed on.
 
     Returns
     -------
@@ -85,16 +89,17 @@ def select_exact(selector: Selector, keys: torch.Tensor, values: torch.Tensor, n
             raise ValueError("group_size: required (the largest frame, in tokens) at frame granularity with "
                              "group_index")
         keep = _labelled_frames(selector, keys, values, candidates, group_index, need, group_size,
-                                frame_budget, generator, trusted)
+                                frame_budget, generator, trusted, observation)
     elif granularity == "token" or group_size is None or cdiv(need, group_size) > num_candidates // group_size:
         # token granularity, or not enough whole groups to hold `need` tokens
         keep = selector.select(keys, values, need, candidates=candidates, granularity="token",
-                               group_size=frame_tokens, generator=generator, counts=counts).keep
+                               group_size=frame_tokens, generator=generator, counts=counts,
+                               observation=observation).keep
     else:
         n_groups = cdiv(need, group_size)
         result = selector.select(keys, values, n_groups * group_size, candidates=candidates,
                                  granularity=granularity, group_size=group_size, generator=generator,
-                                 counts=counts)
+                                 counts=counts, observation=observation)
         rank, _ = candidate_ranks(candidates)
         gid = torch.where(candidates, rank // group_size, -1)
         keep = ~candidates | _first_chosen(result.keep & candidates, gid, result.order, need)
@@ -104,7 +109,8 @@ def select_exact(selector: Selector, keys: torch.Tensor, values: torch.Tensor, n
 
 def _labelled_frames(selector: Selector, keys: torch.Tensor, values: torch.Tensor, cand: torch.Tensor,
                      labels: torch.Tensor, need: int, group_size: int, frame_budget: int | None,
-                     generator: torch.Generator | None, trusted: bool) -> torch.Tensor:
+                     generator: torch.Generator | None, trusted: bool,
+                     observation: Observation | None = None) -> torch.Tensor:
     """``bool [B, T]``: protected tokens, the edge frame when kept whole, and the first chosen candidates.
 
     ``trusted``: the labels need no check, and the frame count (the width of the selector's units) is read
@@ -127,7 +133,8 @@ def _labelled_frames(selector: Selector, keys: torch.Tensor, values: torch.Tenso
     elif frame_budget is None:
         frame_budget = int(_frames_holding(gid, count, still))
     result = selector.select(keys, values, frame_budget * group_size, candidates=rest, granularity="frame",
-                             group_size=group_size, group_index=labels, generator=generator, counts=counts)
+                             group_size=group_size, group_index=labels, generator=generator, counts=counts,
+                             observation=observation)
     return ~cand | edge | _first_chosen(result.keep & rest, gid, result.order, still)
 
 

@@ -15,6 +15,7 @@ from cords_vllm.compress.attention_view import RowHoles, compact_rows
 from cords_vllm.compress.kv_access import PagedAccessor, slots_of
 from cords_vllm.compress.step import RegionBatch, SelectionSetup, compress_region
 from cords_vllm.selection import available_selectors, get_selector
+from tests.compress.observed import with_observation
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -39,6 +40,7 @@ def test_compress_region_on_cuda_equals_cpu(policy, granularity):
             num_keep=6 * bs, num_keep_candidates=6 * bs - text, num_candidates=region * bs - text,
             group_size={"frame": frame, "block": bs}.get(granularity), frame_budget=8, frame_tokens=frame)
         setup = SelectionSetup(get_selector(policy), granularity, False, (0, 0, 2))
+        batch = with_observation(setup, batch, heads, d)
         on = [c.to(device, copy=True) for c in caches]  # each pass compacts its own copy
         held = compress_region(on, [PagedAccessor.of(on[0], d)] * layers, [None] * layers, batch, setup,
                                generator=torch.Generator(device=device).manual_seed(0))

@@ -29,6 +29,7 @@ from cords_vllm.selection.exact import select_exact
 from cords_vllm.selection.randomized import RandomSelector
 from cords_vllm.selection.ranking import top_k_order
 from tests.compress.device_audit import HostSyncCounter
+from tests.compress.observed import with_observation
 
 LAYERS, HEADS, BS, D = 3, 2, 16, 32
 TEXT, FRAME, FRAMES = 5, 24, 12  # protected tokens, tokens per frame, frames
@@ -65,9 +66,9 @@ def _count(policy: str, granularity: str, keep_blocks: int = 6, per_head: bool =
     caches = _caches()
     setup = SelectionSetup(get_selector(policy, **params), granularity, per_head, ANCHORS)
     accessors = [PagedAccessor.of(caches[0], D)] * LAYERS
+    batch = with_observation(setup, batch or _batch(granularity, keep_blocks), HEADS, D)
     with HostSyncCounter() as count:
-        kept = compress_region(caches, accessors, held or [None] * LAYERS,
-                               batch or _batch(granularity, keep_blocks), setup)
+        kept = compress_region(caches, accessors, held or [None] * LAYERS, batch, setup)
     return count, kept
 
 

@@ -12,6 +12,7 @@ from cords_vllm.compress.step import RegionBatch, SelectionSetup, compress_regio
 from cords_vllm.selection import available_selectors, get_selector
 from cords_vllm.selection.base import SelectionResult, Selector
 from tests.compress.device_audit import DeviceAudit
+from tests.compress.observed import with_observation
 
 LAYERS, HEADS, BS, D, BLOCKS = 4, 2, 8, 16, 40
 TEXT = 5  # protected tokens before the video
@@ -101,7 +102,8 @@ def test_no_tensor_is_created_off_the_cache_device(policy, granularity):
     """On CUDA a device-less ``arange``/``zeros`` is a CPU tensor next to GPU keys: find every such call."""
     caches, blocks, labels, spans, n_cand, _ = _request()
     setup = SelectionSetup(get_selector(policy), granularity, False, (0, 0, 2, 2))
-    batch = replace(_batch(blocks, labels, spans, n_cand, 5, granularity), frame_budget=10)
+    batch = with_observation(setup, replace(_batch(blocks, labels, spans, n_cand, 5, granularity), frame_budget=10),
+                             HEADS, D)
     with DeviceAudit() as audit:
         compress_region(caches, [PagedAccessor.of(caches[0], D)] * LAYERS, [None] * LAYERS, batch, setup)
     assert audit.undeviced == []
@@ -115,7 +117,7 @@ class _DeviceOnlyNewest(Selector):
     name = "device_only_newest"
 
     def select(self, keys, values, budget, *, candidates=None, granularity="token", group_size=None,
-               group_index=None, per_head=False, generator=None, counts=None) -> SelectionResult:
+               group_index=None, per_head=False, generator=None, counts=None, observation=None) -> SelectionResult:
         rank_from_end = candidates.flip(-1).cumsum(-1).flip(-1)
         keep = ~candidates | (candidates & (rank_from_end <= budget))
         return SelectionResult(keep=keep, order=torch.empty(keep.shape[0], 0, dtype=torch.long, device=keep.device),

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 from hypothesis import strategies as st
 
+from cords_vllm.selection import Observation, Selector
+
 
 @dataclass(frozen=True)
 class Case:
@@ -27,6 +29,19 @@ class Case:
     @property
     def shape(self) -> tuple[int, int, int, int]:
         return tuple(self.keys.shape)  # type: ignore[return-value]
+
+
+def observation_of(keys: torch.Tensor) -> Observation:
+    """Observation queries made of ``keys`` (``[B, H, N, D]``): two rows and two query heads per KV head, each
+    row a sum over the tokens, so they belong to their problem alone and do not change when its tokens are
+    permuted."""
+    rows = torch.stack([keys.sum(2), keys.flip(-1).sum(2)], dim=2)  # [B, H, 2, D]
+    return Observation(rows.repeat_interleave(2, dim=1))
+
+
+def policy_inputs(selector: Selector, keys: torch.Tensor) -> dict:
+    """What ``selector`` needs besides keys and values: observation queries for attention-scored policies."""
+    return {"observation": observation_of(keys)} if selector.needs_observation else {}
 
 
 def random_kv(seed: int, b: int, h: int, n: int, d: int, dtype: torch.dtype = torch.float64

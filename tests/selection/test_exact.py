@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kv_cases import policy_inputs
 
 from cords_vllm.selection import available_selectors, get_selector
 from cords_vllm.selection.exact import select_exact
@@ -91,9 +92,11 @@ def test_every_policy_keeps_exactly_need_at_every_granularity(policy, granularit
     keys, values, cand, frames = _region(need + 7)
     keys, values = torch.cat([keys, keys.flip(2)]), torch.cat([values, -values])  # two problems
     cand, frames = cand.expand(2, -1), frames.expand(2, -1)
-    pos = select_exact(get_selector(policy), keys, values, need, candidates=cand, granularity=granularity,
+    selector = get_selector(policy)
+    pos = select_exact(selector, keys, values, need, candidates=cand, granularity=granularity,
                        group_size=16, group_index=frames if labelled else None, frame_tokens=16,
-                       num_candidates=sum(FRAME_SIZES), generator=torch.Generator().manual_seed(0))
+                       num_candidates=sum(FRAME_SIZES), generator=torch.Generator().manual_seed(0),
+                       **policy_inputs(selector, keys))
     assert pos.shape == (2, PROTECTED + need)
     assert bool((pos[:, 1:] > pos[:, :-1]).all())  # increasing: a set of positions
     assert pos[:, :PROTECTED].tolist() == [list(range(PROTECTED))] * 2  # protected tokens always kept

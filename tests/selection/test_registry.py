@@ -17,7 +17,8 @@ from cords_vllm.selection import (
     selector_params,
 )
 
-NAMES = ["cords", "infinipot_v", "k_only", "random", "recency", "uniform", "v_only", "value_norm"]
+NAMES = ["cords", "infinipot_v", "k_only", "random", "recency", "snapkv", "streammem", "uniform", "v_only",
+         "value_norm"]
 
 
 def test_names_are_the_kv_policy_choices() -> None:

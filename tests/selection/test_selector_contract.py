@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kv_cases import Case, cases, expected_kept, random_candidates, random_kv
+from kv_cases import Case, cases, expected_kept, policy_inputs, random_candidates, random_kv
 
 from cords_vllm.selection import available_selectors, get_selector
 
@@ -24,6 +24,7 @@ def _select(name: str, case: Case, **extra):
     kwargs = case.kwargs()
     if sel.needs_frame_length and case.group_size is None:
         kwargs["group_size"] = 4  # e.g. InfiniPot-V reads the frame length at token granularity
+    kwargs.update(policy_inputs(sel, case.keys))
     kwargs.update(extra)
     return sel.select(case.keys, case.values, case.budget, **kwargs)
 
@@ -74,7 +75,8 @@ def test_budget_zero_keeps_only_protected(name: str) -> None:
     keys, values = random_kv(3, 2, 2, 20, 4)
     cand = random_candidates(3, 2, 20)
     for gran, g in (("token", 4), ("frame", 4), ("block", 3)):
-        res = get_selector(name).select(keys, values, 0, candidates=cand, granularity=gran, group_size=g)
+        sel = get_selector(name)
+        res = sel.select(keys, values, 0, candidates=cand, granularity=gran, group_size=g, **policy_inputs(sel, keys))
         assert torch.equal(res.keep, ~cand)
 
 
@@ -116,7 +118,8 @@ def test_permuting_tokens_permutes_the_kept_set(name: str, case: Case, perm_seed
 def test_low_precision_inputs(name: str, dtype: torch.dtype) -> None:
     keys, values = random_kv(5, 2, 2, 64, 8, dtype)
     cand = random_candidates(5, 2, 64)
-    res = get_selector(name).select(keys, values, 10, candidates=cand, granularity="token", group_size=8)
+    sel = get_selector(name)
+    res = sel.select(keys, values, 10, candidates=cand, granularity="token", group_size=8, **policy_inputs(sel, keys))
     assert torch.equal(res.num_kept, (~cand).sum(-1) + 10)
 
 
@@ -124,7 +127,7 @@ def test_low_precision_inputs(name: str, dtype: torch.dtype) -> None:
 def test_generator_only_matters_for_stochastic_policies(name: str) -> None:
     keys, values = random_kv(11, 1, 2, 40, 4)
     sel = get_selector(name)
-    kw = dict(granularity="token", group_size=4)
+    kw = dict(granularity="token", group_size=4, **policy_inputs(sel, keys))
     a = sel.select(keys, values, 9, generator=torch.Generator().manual_seed(1), **kw)
     b = sel.select(keys, values, 9, generator=torch.Generator().manual_seed(1), **kw)
     assert torch.equal(a.keep, b.keep)
@@ -140,9 +143,10 @@ def test_cuda_matches_cpu(name: str) -> None:
     cand = random_candidates(13, 2, 96)
     sel = get_selector(name)
     for gran, g in (("token", 8), ("frame", 8), ("block", 16)):
-        cpu = sel.select(keys, values, 32, candidates=cand, granularity=gran, group_size=g)
+        cpu = sel.select(keys, values, 32, candidates=cand, granularity=gran, group_size=g,
+                         **policy_inputs(sel, keys))
         gpu = sel.select(keys.cuda(), values.cuda(), 32, candidates=cand.cuda(), granularity=gran,
-                         group_size=g)
+                         group_size=g, **policy_inputs(sel, keys.cuda()))
         assert gpu.keep.is_cuda
         assert torch.equal(gpu.num_kept.cpu(), cpu.num_kept)
         if sel.name in ("uniform", "recency", "random"):

@@ -54,6 +54,7 @@ from cords_vllm.integration.plans import plans_of
 from cords_vllm.integration.published import PUBLISH_INTERVAL_S, Publisher
 from cords_vllm.integration.worker.cpu_layout import accessor_for_layer, codec_for_layer, kv_cache_dtype_of
 from cords_vllm.integration.worker.pipeline_parallel import stage_anchors
+from cords_vllm.integration.worker.query_capture import QueryCapture
 from cords_vllm.integration.worker.tensor_parallel import tp_head_gatherer
 from cords_vllm.integration.worker.timing import CompressionTimer
 from cords_vllm.integration.worker.tracker import WorkerRequest
@@ -153,6 +154,8 @@ class WorkerCompressor:
         with kernels_in_force(config.kernels):
             logger.info("cords-vllm: compress step on %s: %s", self.device, describe(self.device))
         self.requests: dict[str, WorkerRequest] = {}
+        #: The queries an attention-scored policy observes (``None`` for the others).
+        self.capture = self._query_capture(runner, modules) if self.setup.selector.needs_observation else None
         #: The scheduler's plans for sessions whose next turn has not reached the worker yet.
         self.turns: dict[str, RebasePlan] = {}
         self.totals = _Totals()
@@ -169,6 +172,21 @@ class WorkerCompressor:
         self._nonfinite_read_at = 0.0
         self._unread_compressions = 0
         self._probe_layouts()
+
+    def _query_capture(self, runner: Any, modules: list[Any]) -> QueryCapture:
+        if self.setup.gather_heads is not None:
+            raise ValueError(f"--kv-policy {self.config.policy} selects jointly over every rank's KV heads under "
+                             "tensor "
+                             "parallelism, which needs every rank's observation queries; set per_head true in "
+                             "--kv-policy-config, or serve on one rank")
+
+        def removed(req_id: str) -> int:
+            tracker = self.requests.get(req_id)
+            return tracker.removed_tokens if tracker is not None else 0
+
+        return QueryCapture(self.setup.selector, [modules[a] for a in self.setup.anchors],
+                            runner.vllm_config.scheduler_config.max_num_seqs, self.config.modalities,
+                            runner.vllm_config.model_config.dtype, self.device, removed)
 
     @staticmethod
     def _cache(module: Any) -> torch.Tensor:
@@ -202,6 +220,8 @@ class WorkerCompressor:
         # streaming session keeps its KV and compressed region (its frames are re-read once its prompt grew).
         gone = set(scheduler_output.finished_req_ids or ()) | set(scheduler_output.preempted_req_ids or ())
         gone |= {r for r in self.requests if r not in runner.requests}
+        if self.capture is not None:
+            gone |= {r for r in self.capture.rows if r not in runner.requests}
         for req_id in scheduler_output.scheduled_cached_reqs.resumed_req_ids or ():
             state = runner.requests.get(req_id)
             if state is None or state.num_computed_tokens == 0:
@@ -210,6 +230,8 @@ class WorkerCompressor:
             self.turns.pop(req_id, None)
         self.failed -= gone
         for req_id in gone:
+            if self.capture is not None:
+                self.capture.release(req_id)
             tracker = self.requests.pop(req_id, None)
             if tracker is not None:
                 logger.debug("cords-vllm: request %s left the worker after %d compressions (%.1f ms selecting)",
@@ -330,7 +352,8 @@ class WorkerCompressor:
             new_labels=rest[0] if granularity == "frame" and frames else None,
             num_keep=plan.num_keep, num_keep_candidates=plan.num_keep_candidates,
             num_candidates=plan.num_held_candidates, group_size=group_size,
-            frame_tokens=tracker.first_frame if frames else None)
+            frame_tokens=tracker.first_frame if frames else None,
+            observed=None if self.capture is None else self.capture.observed(plan.req_id))
 
     def _apply(self, runner: Any, plan: CompressionPlan) -> None:
         self._rewrite_rows(runner, plan)

@@ -95,6 +95,8 @@ def make_prepare_inputs(original: Callable) -> Callable:
         comp = worker_compressor(self)
         if comp is not None and not self.uses_mrope:
             shift_positions(self.positions, self.query_start_loc.np, comp.position_offsets(self.input_batch))
+        if comp is not None and comp.capture is not None:
+            comp.capture.prepare(self, num_scheduled_tokens)
         return result
     return _prepare_inputs
 

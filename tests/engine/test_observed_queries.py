@@ -1,0 +1,80 @@
+"""Attention-scored policies see the queries the model computed: the engine's first SnapKV / StreamMem compression
+keeps exactly what the selector keeps on HF transformers' own queries and keys of the same prompt (layer 0,
+rotary applied), the window being the newest video tokens (SnapKV) or the text before the video (StreamMem)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cords_vllm.selection import Observation, get_selector
+from cords_vllm.selection.exact import select_exact
+from tests.engine.conftest import VIDEO_PROMPT, run_engine, video
+
+pytestmark = pytest.mark.engine
+
+WINDOW = 8
+
+
+def _hf_queries_and_keys(reference, prompt: str, frames, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer 0's queries ``[Hq, length, D]`` and keys ``[H, length, D]`` (rotary applied) of the prompt's first
+    ``length`` tokens, read where HF hands them to its attention function."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    seen: dict[str, torch.Tensor] = {}
+
+    def capture(module, query, key, value, attention_mask, **kwargs):
+        if module.layer_idx == 0:
+            seen["q"], seen["k"] = query[0].clone(), key[0].clone()
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("cords_capture", capture)
+    enc = reference.encoded(prompt, frames)
+    lm = reference.model.model.language_model
+    previous = lm.config._attn_implementation
+    lm.config._attn_implementation = "cords_capture"
+    try:
+        with torch.no_grad():
+            lm(inputs_embeds=enc.embeds[:, :length], position_ids=enc.positions[:, None, :length], use_cache=False)
+    finally:
+        lm.config._attn_implementation = previous
+    return seen["q"], seen["k"]
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "streammem"])
+def test_first_compression_keeps_what_hf_queries_choose(tiny_model, hf_reference, policy):
+    frames = video(32, seed=11)
+    window = {"snapkv": {"window": WINDOW}, "streammem": {"proxy_tokens": WINDOW}}[policy]
+    run = run_engine(tiny_model, [{"prompt": VIDEO_PROMPT, "multi_modal_data": {"video": frames}}], policy,
+                     max_tokens=2, budget=192, slack=64, granularity="token", **window)
+    first = run.events[0]
+    at, region_end = first.at_token, first.region_blocks * 32
+    ids = hf_reference.encoded(VIDEO_PROMPT, frames).ids
+    cfg = hf_reference.config
+    pads = (ids == cfg.video_token_id).nonzero().flatten()
+    markers = torch.tensor([int(pads[0]) - 1, int(pads[-1]) + 1])
+    q, k = _hf_queries_and_keys(hf_reference, VIDEO_PROMPT, frames, at)
+    if policy == "snapkv":
+        rows = pads[pads < at][-WINDOW:]
+        visible = torch.arange(region_end)[None, :] <= rows[:, None]
+    else:
+        rows = torch.arange(max(int(pads[0]) - WINDOW, 0), int(pads[0]))
+        visible = torch.ones(rows.numel(), region_end, dtype=torch.bool)
+    candidates = torch.zeros(region_end, dtype=torch.bool)
+    candidates[pads[pads < region_end]] = True
+    candidates[markers[markers < region_end]] = True
+    kept = first.kept_logical[0][0]  # layer 0, head 0 (joint selection: every head alike)
+    kept_region = kept[kept < region_end]
+    need = int(candidates[kept_region].sum())
+    keys = k[:, :region_end][None]
+    observation = Observation(q[:, rows][None], visible[None])
+    ref = select_exact(get_selector(policy, **window), keys, keys, need, candidates=candidates[None],
+                       observation=observation)
+    assert need < int(candidates.sum())  # the compression evicted video tokens
+    assert torch.equal(kept_region, ref[0])
+    # A control: the same selection on other queries (the keys' own rows) keeps other tokens.
+    other = Observation(k.repeat_interleave(q.shape[0] // k.shape[0], 0)[:, rows][None], visible[None])
+    wrong = select_exact(get_selector(policy, **window), keys, keys, need, candidates=candidates[None],
+                         observation=other)
+    assert not torch.equal(kept_region, wrong[0])
