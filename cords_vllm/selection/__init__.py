@@ -23,6 +23,7 @@ Numerics: every policy computes in float32 (float64 for float64 inputs), whateve
 from cords_vllm.selection import (  # noqa: F401  (imported to register the built-in policies)
     cords,
     d2,
+    infinipot,
     infinipot_v,
     randomized,
     recency,
@@ -35,6 +36,7 @@ from cords_vllm.selection.base import Selector
 from cords_vllm.selection.batch import GRANULARITIES, UnitBatch, compute_dtype
 from cords_vllm.selection.cords import NOVELTY_VARIANTS, CoRDSSelector, cords_greedy
 from cords_vllm.selection.d2 import KOnlySelector, VOnlySelector
+from cords_vllm.selection.infinipot import InfiniPotSelector
 from cords_vllm.selection.infinipot_v import InfiniPotVSelector
 from cords_vllm.selection.observation import Observation, observed_attention
 from cords_vllm.selection.params import ParamSpec, hyperparameter
@@ -57,6 +59,7 @@ __all__ = [
     "GRANULARITIES",
     "NOVELTY_VARIANTS",
     "CoRDSSelector",
+    "InfiniPotSelector",
     "InfiniPotVSelector",
     "KOnlySelector",
     "Observation",

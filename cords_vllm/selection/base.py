@@ -97,8 +97,9 @@ class Selector(abc.ABC):
     observation_source:
         Where an engine takes the observation queries from, for ``needs_observation`` policies:
         ``"newest_candidates"`` (the newest video tokens, each seeing only the tokens before it) or
-        ``"prompt_before_candidates"`` (the text right before the first video, seeing every held token); the
-        policy's ``window`` says how many rows. ``None`` otherwise.
+        ``"prompt_before_candidates"`` (the text right before the first video, seeing every held token) or
+        ``"prompt_at_newest"`` (the same rows, rotated to the position after the newest token); the policy's
+        ``window`` says how many rows. ``None`` otherwise.
     """
 
     name: ClassVar[str] = ""

@@ -15,7 +15,8 @@ ROWS, GROUP = 4, 2
 def observed_queries(setup: SelectionSetup, batch: RegionBatch, heads: int, dim: int, seed: int = 0
                      ) -> ObservedQueries:
     """Random queries for ``setup``'s anchors, ``[A, heads * GROUP, ROWS, dim]``, made on the host and moved to the
-    batch's device; a window policy's rows are the newest entering tokens (causal), a proxy's the first."""
+    batch's device; a window policy's rows are the newest entering tokens (causal), a proxy's the first (rotated,
+    where the policy reads them after the newest token, by the engine: here as captured)."""
     g = torch.Generator().manual_seed(seed)
     queries = torch.randn(len(setup.anchors), heads * GROUP, ROWS, dim, generator=g)
     causal = setup.selector.observation_source == "newest_candidates"

@@ -1,6 +1,7 @@
-"""Attention-scored policies see the queries the model computed: the engine's first SnapKV / StreamMem compression
-keeps exactly what the selector keeps on HF transformers' own queries and keys of the same prompt (layer 0,
-rotary applied), the window being the newest video tokens (SnapKV) or the text before the video (StreamMem)."""
+"""Attention-scored policies see the queries the model computed: the engine's first SnapKV / StreamMem / InfiniPot
+compression keeps exactly what the selector keeps on HF transformers' own queries and keys of the same prompt
+(layer 0, rotary applied), the rows being the newest video tokens (SnapKV), the text before the video (StreamMem),
+or that text read after the newest token (InfiniPot: HF runs it at positions moved there)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ pytestmark = pytest.mark.engine
 WINDOW = 8
 
 
-def _hf_queries_and_keys(reference, prompt: str, frames, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _hf_queries_and_keys(reference, prompt: str, frames, length: int, shift: int = 0
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """Layer 0's queries ``[Hq, length, D]`` and keys ``[H, length, D]`` (rotary applied) of the prompt's first
-    ``length`` tokens, read where HF hands them to its attention function."""
+    ``length`` tokens, every position moved ``shift`` further, read where HF hands them to its attention function."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -36,16 +38,18 @@ def _hf_queries_and_keys(reference, prompt: str, frames, length: int) -> tuple[t
     lm.config._attn_implementation = "cords_capture"
     try:
         with torch.no_grad():
-            lm(inputs_embeds=enc.embeds[:, :length], position_ids=enc.positions[:, None, :length], use_cache=False)
+            lm(inputs_embeds=enc.embeds[:, :length], position_ids=enc.positions[:, None, :length] + shift,
+               use_cache=False)
     finally:
         lm.config._attn_implementation = previous
     return seen["q"], seen["k"]
 
 
-@pytest.mark.parametrize("policy", ["snapkv", "streammem"])
+@pytest.mark.parametrize("policy", ["snapkv", "streammem", "infinipot"])
 def test_first_compression_keeps_what_hf_queries_choose(tiny_model, hf_reference, policy):
     frames = video(32, seed=11)
-    window = {"snapkv": {"window": WINDOW}, "streammem": {"proxy_tokens": WINDOW}}[policy]
+    window = {"snapkv": {"window": WINDOW}, "streammem": {"proxy_tokens": WINDOW},
+              "infinipot": {"catalyst_tokens": WINDOW}}[policy]
     run = run_engine(tiny_model, [{"prompt": VIDEO_PROMPT, "multi_modal_data": {"video": frames}}], policy,
                      max_tokens=2, budget=192, slack=64, granularity="token", **window)
     first = run.events[0]
@@ -61,6 +65,9 @@ def test_first_compression_keeps_what_hf_queries_choose(tiny_model, hf_reference
     else:
         rows = torch.arange(max(int(pads[0]) - WINDOW, 0), int(pads[0]))
         visible = torch.ones(rows.numel(), region_end, dtype=torch.bool)
+    if policy == "infinipot":  # the catalyst rows as HF computes them once moved right after the newest token
+        newest = int(hf_reference.encoded(VIDEO_PROMPT, frames).positions[:, :at].max())
+        q, _ = _hf_queries_and_keys(hf_reference, VIDEO_PROMPT, frames, int(pads[0]), newest + 1 - int(rows[0]))
     candidates = torch.zeros(region_end, dtype=torch.bool)
     candidates[pads[pads < region_end]] = True
     candidates[markers[markers < region_end]] = True

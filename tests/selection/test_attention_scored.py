@@ -1,4 +1,4 @@
-"""SnapKV and StreamMem against brute-force references: attention scores by loops, pooling by hand, top-k by sort."""
+"""SnapKV, StreamMem and InfiniPot against brute-force references: scores by loops, pooling by hand, top-k by sort."""
 
 from __future__ import annotations
 
@@ -49,11 +49,12 @@ def test_observed_attention_equals_the_loops(seed):
 
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("per_head", [False, True])
-def test_streammem_keeps_the_top_scores(seed, per_head):
+@pytest.mark.parametrize("policy", ["streammem", "infinipot"])
+def test_proxy_policies_keep_the_top_scores(seed, per_head, policy):
     keys, values, queries, visible = _problem(seed)
     cand = random_candidates(seed, 2, 30)
-    res = get_selector("streammem").select(keys, values, 7, candidates=cand, per_head=per_head,
-                                           observation=Observation(queries, visible))
+    res = get_selector(policy).select(keys, values, 7, candidates=cand, per_head=per_head,
+                                      observation=Observation(queries, visible))
     scores = _scores_by_loops(keys, queries, visible)
     for p in range(2):
         for head in range(2) if per_head else [None]:

@@ -17,7 +17,7 @@ from cords_vllm.selection import (
     selector_params,
 )
 
-NAMES = ["cords", "infinipot_v", "k_only", "random", "recency", "snapkv", "streammem", "uniform", "v_only",
+NAMES = ["cords", "infinipot", "infinipot_v", "k_only", "random", "recency", "snapkv", "streammem", "uniform", "v_only",
          "value_norm"]
 
 

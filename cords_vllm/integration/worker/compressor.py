@@ -184,9 +184,27 @@ class WorkerCompressor:
             tracker = self.requests.get(req_id)
             return tracker.removed_tokens if tracker is not None else 0
 
+        rotaries = None
+        if self.setup.selector.observation_source == "prompt_at_newest":
+            model = runner.get_model()
+            parents = [model.get_submodule(self.layer_names[a].rsplit(".", 1)[0]) for a in self.setup.anchors]
+            rotaries = [getattr(p, "rotary_emb", None) for p in parents]
+            if any(r is None or not hasattr(r, "cos_sin_cache") for r in rotaries):
+                raise ValueError(f"--kv-policy {self.config.policy} moves its catalyst rows after the newest token "
+                                 "with the model's rotary embedding, which this model's attention layers do not "
+                                 "expose as rotary_emb")
         return QueryCapture(self.setup.selector, [modules[a] for a in self.setup.anchors],
                             runner.vllm_config.scheduler_config.max_num_seqs, self.config.modalities,
-                            runner.vllm_config.model_config.dtype, self.device, removed)
+                            runner.vllm_config.model_config.dtype, self.device, removed, rotaries)
+
+    def _next_position(self, runner: Any, req_id: str) -> int:
+        """The rotary position right after the request's newest computed token (M-RoPE: the largest so far)."""
+        state = runner.requests[req_id]
+        mrope = getattr(state, "mrope_positions", None)
+        if mrope is not None:
+            return int(mrope[:, : state.num_computed_tokens].max()) + 1
+        tracker = self.requests.get(req_id)
+        return state.num_computed_tokens + (tracker.removed_tokens if tracker is not None else 0)
 
     @staticmethod
     def _cache(module: Any) -> torch.Tensor:
@@ -333,8 +351,8 @@ class WorkerCompressor:
         mrope = getattr(state, "mrope_positions", None)
         return None if mrope is None else mrope[0, begin:end].to(torch.long)
 
-    def _region_batch(self, plan: CompressionPlan, tracker: WorkerRequest, labels: torch.Tensor | None
-                      ) -> RegionBatch:
+    def _region_batch(self, plan: CompressionPlan, tracker: WorkerRequest, labels: torch.Tensor | None,
+                      next_position: int = 0) -> RegionBatch:
         bs, base = plan.block_size, tracker.removed_tokens
         spans = np.asarray(plan.candidates.spans, dtype=np.int64).reshape(-1, 2) + base
         host = [np.asarray(plan.src_blocks), np.asarray(plan.kept_blocks), spans]
@@ -353,7 +371,7 @@ class WorkerCompressor:
             num_keep=plan.num_keep, num_keep_candidates=plan.num_keep_candidates,
             num_candidates=plan.num_held_candidates, group_size=group_size,
             frame_tokens=tracker.first_frame if frames else None,
-            observed=None if self.capture is None else self.capture.observed(plan.req_id))
+            observed=None if self.capture is None else self.capture.observed(plan.req_id, next_position))
 
     def _apply(self, runner: Any, plan: CompressionPlan) -> None:
         self._rewrite_rows(runner, plan)
@@ -361,7 +379,8 @@ class WorkerCompressor:
         if tracker is None:
             tracker = self.requests[plan.req_id] = WorkerRequest(held=[None] * len(self.caches))
         t0, mark = time.perf_counter(), self.timer.start()
-        batch = self._region_batch(plan, tracker, self._labels(runner, plan, tracker))
+        next_position = self._next_position(runner, plan.req_id) if self.capture is not None else 0
+        batch = self._region_batch(plan, tracker, self._labels(runner, plan, tracker), next_position)
         tracker.held = compress_region(self.caches, self.accessors, tracker.held, batch, self.setup,
                                        nonfinite=self.nonfinite, codecs=self.codecs)
         self.timer.stop(plan.req_id, mark)

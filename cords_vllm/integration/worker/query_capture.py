@@ -10,7 +10,9 @@ Which rows (``Selector.observation_source``):
 * ``"newest_candidates"``: the newest ``window`` video tokens computed so far (a ring: each step's newest video
   tokens replace the oldest rows), each with its token id, so a row sees only the tokens up to its own;
 * ``"prompt_before_candidates"``: the ``window`` tokens right before the request's first video (the chat
-  template's system and user-turn tokens), kept for the request's life; they see every held token.
+  template's system and user-turn tokens), kept for the request's life; they see every held token;
+* ``"prompt_at_newest"``: the same rows, handed to the compress step moved as one block to start right after the
+  request's newest token (:meth:`QueryCapture.observed`, with the anchor layer's own rotary embedding).
 
 How: every anchor layer's attention implementation gets an instance-level wrapper of its ``forward``, which vLLM
 calls with the step's queries (``unified_attention_with_output`` calls ``layer.impl.forward(layer, query, ...)``;
@@ -37,6 +39,7 @@ from cords_vllm.selection.base import Selector
 
 NEWEST = "newest_candidates"
 PROXY = "prompt_before_candidates"
+AT_NEWEST = "prompt_at_newest"
 
 
 @dataclass
@@ -82,16 +85,24 @@ class QueryCapture:
         Modalities whose tokens are candidates.
     removed_tokens:
         ``req_id -> tokens re-basing removed before it`` (the offset of the ids the compress step uses).
+    rotaries:
+        ``"prompt_at_newest"`` only: the anchor layers' vLLM rotary embeddings (``cos_sin_cache``, ``rotary_dim``,
+        ``head_size``, ``is_neox_style``), in anchor order.
     """
 
     def __init__(self, selector: Selector, modules: Sequence[Any], max_requests: int, modalities: Sequence[str],
-                 dtype: torch.dtype, device: torch.device, removed_tokens: Callable[[str], int]) -> None:
-        if selector.observation_source not in (NEWEST, PROXY):
+                 dtype: torch.dtype, device: torch.device, removed_tokens: Callable[[str], int],
+                 rotaries: Sequence[Any] | None = None) -> None:
+        if selector.observation_source not in (NEWEST, PROXY, AT_NEWEST):
             raise ValueError(f"{selector.name}: unknown observation source {selector.observation_source!r}")
         self.source = selector.observation_source
         self.window = int(selector.window)
         self.modalities = tuple(modalities)
         self.removed_tokens = removed_tokens
+        if self.source == AT_NEWEST and (rotaries is None or len(rotaries) != len(modules)):
+            raise ValueError(f"{selector.name}: moving its rows after the newest token needs each anchor layer's "
+                             "rotary embedding")
+        self.rotaries = rotaries
         heads, size = modules[0].num_heads, modules[0].head_size
         slots = max_requests * self.window
         #: ``[A, slots * window, Hq, D]`` queries and ``long [slots * window]`` token ids (-1: none yet).
@@ -165,19 +176,43 @@ class QueryCapture:
             first = rows.written
             rows.written += len(newest)
             return [(pos, (first + j) % self.window) for j, pos in enumerate(newest)]
-        first_video = rows.spans[0][0]
+        first_video = rows.spans[0][0]  # PROXY and AT_NEWEST: the text right before the first video
         lo = max(first_video - self.window, 0, start)
         hi = min(first_video, end)
         return [(pos, pos - (first_video - self.window)) for pos in range(lo, hi)]
 
-    def observed(self, req_id: str) -> ObservedQueries:
-        """The request's rows for the compress step: ``[A, Hq, window, D]`` and their ids (``-1``: none yet)."""
+    def observed(self, req_id: str, next_position: int = 0) -> ObservedQueries:
+        """The request's rows for the compress step: ``[A, Hq, window, D]`` and their ids (``-1``: none yet).
+
+        ``next_position``: the rotary position right after the request's newest token, where ``"prompt_at_newest"``
+        rows are moved as one block: each is rotated by ``next_position - p0`` more on every section, ``p0`` the
+        position of the first row, as if the text were appended there (relative positions among the rows kept).
+        """
         rows = self.rows.get(req_id)
         if rows is None:
             raise RuntimeError(f"request {req_id}: no observation queries were kept (it has no video input, or more "
                                "requests ran at once than max_num_seqs)")
         part = slice(rows.slot * self.window, (rows.slot + 1) * self.window)
-        return ObservedQueries(self.store[:, part].transpose(1, 2), self.ids[part], causal=self.source == NEWEST)
+        queries, ids = self.store[:, part], self.ids[part]  # [A, W, Hq, D], [W]
+        if self.source == AT_NEWEST:
+            # the rows hold the text before the first video, captured before any re-base (an id is a position): move
+            # them as one block, the first kept row to the position right after the newest token
+            first = torch.where(ids >= 0, ids, torch.iinfo(torch.long).max).min()
+            queries = self._moved(queries, (next_position - first).clamp_min(0).expand(ids.shape[0]))
+        return ObservedQueries(queries.transpose(1, 2), ids, causal=self.source == NEWEST)
+
+    def _moved(self, queries: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """``queries`` ``[A, W, Hq, D]`` rotated ``delta`` (``long [W]``) positions further, in float32, by each
+        anchor's own rotary embedding (vLLM's native rotation: R(p + delta) = R(delta) R(p))."""
+        from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+        out = []
+        for anchor, rope in enumerate(self.rotaries or ()):
+            q = queries[anchor].float()
+            moved, _ = RotaryEmbedding.forward_static(delta, q.reshape(q.shape[0], -1), None, rope.head_size,
+                                                      rope.rotary_dim, rope.cos_sin_cache.float(), rope.is_neox_style)
+            out.append(moved.reshape(q.shape))
+        return torch.stack(out)
 
     def release(self, req_id: str) -> None:
         """The request left (or recomputes from scratch): free its slot."""
