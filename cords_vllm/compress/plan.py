@@ -16,15 +16,17 @@ Model of a request's KV row (one full-attention KV cache group):
   compressed request is shared or hashed.
 * Attention sees a *physical view* of the row, null entries moved to the end and ``seq_len`` reduced by
   ``bs`` per null entry (:mod:`cords_vllm.compress.attention_view`). That is why kept tokens must fill whole
-  blocks: the number of candidate (video) tokens kept is rounded UP so that protected + kept tokens in the
-  region is a multiple of ``bs``.
+  blocks: the number of candidate (video) tokens kept is rounded DOWN, so that protected + kept tokens in the region
+  is a multiple of ``bs`` and the request then holds at most ``budget`` video tokens in all (when its protected
+  tokens leave room): neither the block rounding nor the recent window sets a floor above the budget.
 
 Only candidate tokens are evicted: those of the request's videos and images (the scheduler chooses the
 modalities; "video" in the names below means every candidate, a frame sent as an image included). Every
 other token of the region (system text, the question, text between inputs) is protected: kept in every
-layer and not counted in the budget. The recent window is the
-``recent`` newest computed video tokens; the region ends at the block boundary at or before the first of
-them, so no recent video token is ever a candidate.
+layer and not counted in the budget. The recent window is the ``recent`` newest computed video tokens, always
+kept: the region ends at the last full block computed, and the recent video tokens inside it are protected for
+that compression (the workers protect the region's newest ``num_recent`` video tokens), so no block boundary leaves
+older video past the region where nothing could evict it.
 """
 
 from __future__ import annotations
@@ -132,9 +134,13 @@ class CompressionPlan:
     num_keep_candidates:
         Video tokens kept in the region (the selection budget).
     num_held_candidates:
-        Video tokens the region holds before this compression (the selection's candidates).
+        Video tokens of the region the selection may evict (its candidates): the region's video tokens but the
+        ``num_recent`` newest.
     candidates:
         The request's candidate spans (the workers decide which held tokens are candidates).
+    num_recent:
+        The region's newest video tokens that belong to the recent window: protected in this compression (kept, not
+        counted in ``num_keep``'s candidates), video again for the next one.
     """
 
     req_id: str
@@ -147,6 +153,7 @@ class CompressionPlan:
     num_keep_candidates: int
     num_held_candidates: int
     candidates: CandidateSpans = field(repr=False)
+    num_recent: int = 0
 
     @property
     def kept_blocks(self) -> tuple[int, ...]:
@@ -202,33 +209,38 @@ class _Decision:
     region_blocks: int
     kept_blocks: int
     num_keep_candidates: int
-    region_held_video: int
+    selectable: int
     region_held: int
+    num_recent: int
 
 
 def _decide(state: RequestCompressionState, video: CandidateSpans, num_computed: int, num_prompt: int,
             settings: BudgetSettings, bs: int) -> _Decision | None:
-    """The compression a request with ``num_computed`` logical tokens gets now, or ``None``."""
+    """The compression a request with ``num_computed`` logical tokens gets now, or ``None``.
+
+    The region ends at the last full block computed. Its candidates are its video tokens but the newest ones of the
+    recent window; it keeps, of them, what the budget leaves once the recent window and the video past the region
+    are counted, rounded down to whole blocks (never below the blocks its protected tokens fill).
+    """
     if num_computed >= num_prompt or video.total == 0:
         return None
-    if held_candidate_tokens(state, video, num_computed, bs) <= settings.budget + settings.slack:
+    held = held_candidate_tokens(state, video, num_computed, bs)
+    if held <= settings.budget + settings.slack or video.count_before(num_computed) <= settings.recent:
         return None
-    computed_video = video.count_before(num_computed)
-    if computed_video <= settings.recent:
-        return None
-    recent_start = video.position_of(computed_video - settings.recent) if settings.recent else num_computed
-    j = recent_start // bs
-    j_prev = state.region_blocks
-    if j <= j_prev:
+    j, j_prev = num_computed // bs, state.region_blocks
+    if j < j_prev:
         return None
     region_held_video = state.held_candidates + video.count_in(j_prev * bs, j * bs)
     region_held = state.held_blocks * bs + (j - j_prev) * bs
-    protected = region_held - region_held_video
-    k = cdiv(protected + settings.budget - settings.recent, bs)
+    past = held - region_held_video  # video past the region (the partial block): all recent, as recent >= it
+    num_recent = min(max(settings.recent - past, 0), region_held_video)
+    selectable = region_held_video - num_recent
+    protected = region_held - selectable  # text and the recent window's tokens in the region
+    k = max(cdiv(protected, bs), (protected - num_recent + settings.budget - past) // bs)
     num_keep_candidates = k * bs - protected
-    if num_keep_candidates >= region_held_video:
+    if num_keep_candidates >= selectable:
         return None  # rounding to whole blocks leaves nothing to evict
-    return _Decision(j, k, num_keep_candidates, region_held_video, region_held)
+    return _Decision(j, k, num_keep_candidates, selectable, region_held, num_recent)
 
 
 def plan_compression(req_id: str, row: Sequence[int], num_computed: int, num_prompt: int, video: CandidateSpans,
@@ -236,9 +248,11 @@ def plan_compression(req_id: str, row: Sequence[int], num_computed: int, num_pro
                      block_size: int) -> CompressionPlan | None:
     """Decide whether to compress a request now and how; ``None`` if not.
 
-    Compresses when the request is still in its prompt (decode never compresses) and holds more than
-    ``budget + slack`` video tokens; the region's video tokens are reduced to ``budget - recent``, rounded
-    up to fill whole blocks. :func:`next_compression_point` says where the next such position lies.
+    Compresses when the request is still in its prompt (decode never compresses), holds more than ``budget + slack``
+    video tokens and more than ``recent``; the region (up to the last full block) keeps its recent video tokens and,
+    of the older ones, what the budget leaves, rounded down to whole blocks: the request then holds at most
+    ``budget`` video tokens when its protected tokens leave room. :func:`next_compression_point` says where the next
+    such position lies.
 
     Parameters
     ----------
@@ -261,8 +275,8 @@ def plan_compression(req_id: str, row: Sequence[int], num_computed: int, num_pro
     return CompressionPlan(
         req_id=req_id, block_size=bs, prev_region_blocks=state.region_blocks, region_blocks=j,
         prev_held_blocks=state.held_blocks, src_blocks=tuple(src), num_keep=k * bs,
-        num_keep_candidates=decision.num_keep_candidates, num_held_candidates=decision.region_held_video,
-        candidates=video,
+        num_keep_candidates=decision.num_keep_candidates, num_held_candidates=decision.selectable,
+        candidates=video, num_recent=decision.num_recent,
     )
 
 
@@ -276,30 +290,31 @@ def next_compression_point(state: RequestCompressionState, video: CandidateSpans
     request is compressed there, whatever the step sizes. Since the state after a compression is itself a
     function of the same inputs, the whole sequence of points (and what each keeps) is too.
     """
-    bs, recent = block_size, settings.recent
+    bs = block_size
     if video.total == 0 or num_computed + 1 >= num_prompt:
         return None
     # first position holding more than budget + slack video tokens (the held count only grows with P)
     need = video.count_before(state.region_blocks * bs) + settings.budget + settings.slack - state.held_candidates + 1
+    need = max(need, settings.recent + 1)
     if need > video.total:
         return None
     point = max(num_computed + 1, video.position_of(need - 1) + 1)
+
+    def decides(p: int) -> bool:
+        return _decide(state, video, p, num_prompt, settings, bs) is not None
+
     while point < num_prompt:
-        if _decide(state, video, point, num_prompt, settings, bs) is not None:
-            return point
-        # not yet: move to the first position at which the region grows by a block
-        computed_video = video.count_before(point)
-        if computed_video <= recent:
-            target = recent + 1
-        elif recent == 0:
-            point = (point // bs + 1) * bs
-            continue
-        else:
-            region = video.position_of(computed_video - recent) // bs
-            target = max(video.count_before((region + 1) * bs) + recent, recent + 1)
-        if target > video.total:
-            return None
-        point = max(point + 1, video.position_of(target - 1) + 1)
+        # Within one block the region's end is fixed and whether a compression is planned only turns on as P grows
+        # (the video past the region and the held count grow, the recent window's share of the region shrinks):
+        # the first point of the block that plans one is found by bisection.
+        end = min((point // bs + 1) * bs, num_prompt)
+        if decides(end - 1):
+            low, high = point, end - 1
+            while low < high:
+                mid = (low + high) // 2
+                low, high = (low, mid) if decides(mid) else (mid + 1, high)
+            return low
+        point = end
     return None
 
 
@@ -308,7 +323,7 @@ def apply_plan(state: RequestCompressionState, plan: CompressionPlan) -> Request
     return RequestCompressionState(
         region_blocks=plan.region_blocks,
         held_blocks=plan.num_keep // plan.block_size,
-        held_candidates=plan.num_keep_candidates,
+        held_candidates=plan.num_keep_candidates + plan.num_recent,
         compressions=state.compressions + 1,
         evicted_tokens=state.evicted_tokens + plan.num_held_candidates - plan.num_keep_candidates,
     )
@@ -362,9 +377,8 @@ def compressed_footprint_blocks(num_tokens: int, video_tokens: int, settings: Bu
     """Upper bound on the blocks a request of ``num_tokens`` (``video_tokens`` of them video) holds at once.
 
     Non-video tokens are all held. Prefill chunks end at compression points
-    (:func:`next_compression_point`), where a request holds at most ``budget + slack`` video tokens plus the
-    rounding of its kept region and of its recent window to whole blocks (two blocks), whatever the chunk
-    sizes.
+    (:func:`next_compression_point`), where a request holds at most ``budget + slack`` video tokens plus what the
+    kept region's protected tokens round up (two blocks bound it), whatever the chunk sizes.
     """
     held_candidates = min(video_tokens, settings.budget + settings.slack + 2 * block_size)
     return cdiv(num_tokens - video_tokens + held_candidates, block_size)

@@ -84,7 +84,8 @@ class RegionBatch:
         ``long [N]``, frame granularity only: the frame label (M-RoPE temporal position) of each entering
         token; ``None`` otherwise.
     num_keep, num_keep_candidates, num_candidates:
-        Tokens kept in the region (protected included), video tokens kept, video tokens held.
+        Tokens kept in the region (protected included), video tokens kept of the candidates, candidates (the
+        region's video tokens but the ``num_recent`` newest).
     group_size:
         Tokens per selection group (the largest frame, or the block size); ``None`` at token granularity.
     frame_budget:
@@ -96,6 +97,9 @@ class RegionBatch:
         Tokens per frame for frame-aware policies at token granularity, or ``None``.
     observed:
         The observation queries of attention-scored policies (:class:`ObservedQueries`), or ``None``.
+    num_recent:
+        The region's newest video tokens that belong to the recent window: protected in this compression (kept),
+        still video (candidates of later compressions once older ones arrived).
     """
 
     src_slots: torch.Tensor
@@ -110,6 +114,7 @@ class RegionBatch:
     frame_budget: int | None = None
     frame_tokens: int | None = None
     observed: ObservedQueries | None = None
+    num_recent: int = 0
 
 
 @dataclass(frozen=True)
@@ -312,8 +317,10 @@ def _compress_region(caches: Sequence[torch.Tensor], accessors: Sequence[KVAcces
         nonfinite += ~torch.isfinite(keys.sum() + values.sum())
     keys, values = finite_features(keys), finite_features(values)
     anchor_tokens = [tokens[a] for a in anchors]
-    stacked = HeldTokens(torch.stack([t.ids for t in anchor_tokens]),
-                         torch.stack([t.candidates for t in anchor_tokens]),
+    candidates = torch.stack([t.candidates for t in anchor_tokens])
+    if batch.num_recent:  # the newest video tokens are the recent window's: protected this time
+        candidates = candidates & (candidates.flip(-1).cumsum(-1).flip(-1) > batch.num_recent)
+    stacked = HeldTokens(torch.stack([t.ids for t in anchor_tokens]), candidates,
                          None if batch.new_labels is None else torch.stack([t.labels for t in anchor_tokens]))
     positions = select_positions(setup, keys, values, stacked, batch, generator)  # [A, H, num_keep]
     row_of = {a: i for i, a in enumerate(anchors)}

@@ -109,3 +109,55 @@ def test_a_request_rebased_after_every_compression_is_planned_as_the_logical_one
             spans = shifted.held_before(held, rebased.held_candidates)
             assert spans.count_before(held) == rebased.held_candidates
     assert compressions == logical.compressions
+
+
+def test_a_compression_leaves_the_budget_or_less_and_less_than_a_block_below_it():
+    """After every compression the request holds at most ``budget`` video tokens (recent window, the rest of its
+    block and the kept region together), and more than ``budget - block``: neither the block rounding nor the recent
+    window sets a floor above the budget. The one exception: a region whose protected tokens (text, and the recent
+    window's tokens in it) alone fill the blocks it keeps: then it keeps those blocks and evicts every other candidate
+    but fewer than a block."""
+    checked = minimum = 0
+    for seed in range(200):
+        rng = random.Random(5000 + seed)
+        video, num_prompt = _layout(rng)
+        budget = rng.randrange(8, 80)
+        settings = BudgetSettings(budget=budget, recent=rng.randrange(0, budget), slack=rng.randrange(0, 20))
+        state, computed = RequestCompressionState(), 0
+        while (point := next_compression_point(state, video, computed, num_prompt, settings, BS)) is not None:
+            plan = plan_compression("r", _row(point, state), point, num_prompt, video, state, settings, BS)
+            state, computed = apply_plan(state, plan), point
+            held = held_candidate_tokens(state, video, point, BS)
+            protected = plan.num_keep - plan.num_keep_candidates
+            if plan.num_keep > -(-protected // BS) * BS:  # the budget, not the protected tokens, set the blocks
+                assert budget - BS < held <= budget
+                checked += 1
+            else:  # the blocks its protected tokens and recent window fill, and fewer than a block of others
+                assert plan.num_keep_candidates < BS and held < max(budget, settings.recent + BS) + BS
+                minimum += 1
+            # the recent window stays whole: every one of the newest `recent` video tokens is still held
+            assert held >= min(settings.recent, video.count_before(point))
+    assert checked > minimum > 0
+
+
+def test_small_budgets_hold_what_they_say():
+    """The accuracy benchmark's 128-frame cells (16-token text, 1,026 video tokens, 32-token blocks, recent a
+    quarter, no slack): 1/16, 1/8 and 1/4 hold different amounts, each at most its budget at every compression and
+    within a block of it (before: 66, 162 and 290 video tokens for budgets of 64, 128 and 256)."""
+    video, num_prompt = CandidateSpans(((16, 16 + 1026),)), 16 + 1026 + 24
+    held_at_end = []
+    for budget in (64, 128, 256):
+        settings = BudgetSettings(budget=budget, recent=budget // 4, slack=0)
+        state, computed = RequestCompressionState(), 0
+        while (point := next_compression_point(state, video, computed, num_prompt, settings, 32)) is not None:
+            plan = plan_compression("r", _row32(point, state), point, num_prompt, video, state, settings, 32)
+            state, computed = apply_plan(state, plan), point
+            assert budget - 32 < held_candidate_tokens(state, video, point, 32) <= budget
+        held_at_end.append(held_candidate_tokens(state, video, num_prompt, 32))
+    assert held_at_end == sorted(set(held_at_end))
+
+
+def _row32(num_tokens: int, state: RequestCompressionState) -> list[int]:
+    blocks = iter(range(1, 10_000))
+    return [next(blocks) if i < state.held_blocks or i >= state.region_blocks else 0
+            for i in range(-(-num_tokens // 32))]

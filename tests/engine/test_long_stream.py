@@ -66,7 +66,10 @@ def test_a_stream_runs_to_twenty_pools_with_flat_blocks(tiny_model):
         held.append(snapshot(llm).requests[session.request_id])
     assert held[-1].candidate_tokens + held[-1].evicted_tokens >= 20 * POOL * BLOCK
     assert max(h.held_blocks for h in held) <= bound <= POOL
-    assert held[-1].held_blocks == held[len(held) // 2].held_blocks  # flat: the same at half and full length
+    # flat: the second half of the stream holds no more than the quarter before it (compressions round the kept
+    # region down to whole blocks, so what a push leaves varies by a block or two, but never grows with length)
+    half = len(held) // 2
+    assert max(h.held_blocks for h in held[half:]) <= max(h.held_blocks for h in held[half // 2:half])
     answer = session.push({"prompt": "What color was the square?<|im_end|>\n<|im_start|>assistant\n"})
     assert len(answer) == 1
     session.close()

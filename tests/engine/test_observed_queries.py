@@ -15,6 +15,7 @@ from tests.engine.conftest import VIDEO_PROMPT, run_engine, video
 pytestmark = pytest.mark.engine
 
 WINDOW = 8
+RECENT = 48
 
 
 def _hf_queries_and_keys(reference, prompt: str, frames, length: int, shift: int = 0
@@ -51,7 +52,7 @@ def test_first_compression_keeps_what_hf_queries_choose(tiny_model, hf_reference
     window = {"snapkv": {"window": WINDOW}, "streammem": {"proxy_tokens": WINDOW},
               "infinipot": {"catalyst_tokens": WINDOW}}[policy]
     run = run_engine(tiny_model, [{"prompt": VIDEO_PROMPT, "multi_modal_data": {"video": frames}}], policy,
-                     max_tokens=2, budget=192, slack=64, granularity="token", **window)
+                     max_tokens=2, budget=192, recent=RECENT, slack=64, granularity="token", **window)
     first = run.events[0]
     at, region_end = first.at_token, first.region_blocks * 32
     ids = hf_reference.encoded(VIDEO_PROMPT, frames).ids
@@ -68,9 +69,13 @@ def test_first_compression_keeps_what_hf_queries_choose(tiny_model, hf_reference
     if policy == "infinipot":  # the catalyst rows as HF computes them once moved right after the newest token
         newest = int(hf_reference.encoded(VIDEO_PROMPT, frames).positions[:, :at].max())
         q, _ = _hf_queries_and_keys(hf_reference, VIDEO_PROMPT, frames, int(pads[0]), newest + 1 - int(rows[0]))
-    candidates = torch.zeros(region_end, dtype=torch.bool)
-    candidates[pads[pads < region_end]] = True
-    candidates[markers[markers < region_end]] = True
+    is_video = torch.zeros(at, dtype=torch.bool)
+    is_video[pads[pads < at]] = True
+    is_video[markers[markers < at]] = True
+    # the region's newest video tokens that belong to the recent window are protected in this compression
+    num_recent = max(RECENT - int(is_video[region_end:].sum()), 0)
+    candidates = is_video[:region_end].clone()
+    candidates[candidates.nonzero().flatten()[candidates.sum() - num_recent:]] = False
     kept = first.kept_logical[0][0]  # layer 0, head 0 (joint selection: every head alike)
     kept_region = kept[kept < region_end]
     need = int(candidates[kept_region].sum())

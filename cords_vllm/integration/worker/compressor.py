@@ -370,7 +370,7 @@ class WorkerCompressor:
             new_labels=rest[0] if granularity == "frame" and frames else None,
             num_keep=plan.num_keep, num_keep_candidates=plan.num_keep_candidates,
             num_candidates=plan.num_held_candidates, group_size=group_size,
-            frame_tokens=tracker.first_frame if frames else None,
+            frame_tokens=tracker.first_frame if frames else None, num_recent=plan.num_recent,
             observed=None if self.capture is None else self.capture.observed(plan.req_id, next_position))
 
     def _apply(self, runner: Any, plan: CompressionPlan) -> None:
