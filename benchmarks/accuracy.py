@@ -113,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
 
     payload = {"argv": sys.argv[1:], "examples": len(examples), "frames": args.frames,
                "runs": [r.to_json() for r in runs]}
+    cells = compare_with_best_other([r for r in runs if r.inputs == args.inputs[0]], examples, args.fractions)
+    if cells:
+        payload["cords_vs_best_other"] = [c.to_json() for c in cells]
     if comparison:
         payload["inputs_comparison"] = comparison
     if not args.no_controls:
@@ -151,6 +154,28 @@ def main(argv: list[str] | None = None) -> int:
     for path in [args.out / "results.json", *paths]:
         print(f"wrote {path}")
     return 0
+
+
+def compare_with_best_other(runs: list[AccuracyRun], examples: Sequence[VQAExample], fractions: list[float],
+                            policy: str = "cords") -> list:
+    """Print and return, per budget, ``policy``'s accuracy with its 95% Wilson interval against the most accurate
+    other policy of the cell, with the exact McNemar test on the same questions
+    (:func:`cords_vllm.lab.bench.paired.against_best_other`); empty when ``policy`` did not run."""
+    from cords_vllm.lab.bench.paired import against_best_other
+
+    truth = [e.answer for e in examples]
+    cells = []
+    for fraction in fractions:
+        hits = {r.label: [p == t for p, t in zip(r.predictions, truth, strict=True)]
+                for r in runs if r.fraction == fraction}
+        if policy in hits and len(hits) > 1:
+            cells.append(against_best_other(hits, policy, fraction))
+    if cells:
+        print(f"\n| budget | {policy} [95% interval] | best other | questions only {policy} / only it got right "
+              "| p (exact McNemar) |\n|---|---|---|---|---|")
+        for cell in cells:
+            print(cell.row())
+    return cells
 
 
 def print_table(runs: list[AccuracyRun], specs: list[PolicySpec], fractions: list[float]) -> None:

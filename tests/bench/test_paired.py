@@ -39,3 +39,22 @@ def test_mcnemar_exact_hand_values_and_order() -> None:
 def test_mcnemar_exact_refuses_unpaired_runs() -> None:
     with pytest.raises(ValueError, match="same questions"):
         mcnemar_exact([True, False], [True])
+
+
+def test_wilson_interval_against_hand_values() -> None:
+    from cords_vllm.lab.bench.paired import wilson_interval
+
+    lo, hi = wilson_interval(64, 128)  # p = 0.5, n = 128: centre 0.5, half-width 1.96 * sqrt(0.25 / 128) shrunk
+    assert lo == pytest.approx(0.4147, abs=1e-4) and hi == pytest.approx(0.5853, abs=1e-4)
+    assert wilson_interval(128, 128) == pytest.approx((128 / (128 + 1.96**2), 1.0))  # all right: n / (n + z^2)
+    assert wilson_interval(0, 0) == (0.0, 1.0)
+
+
+def test_a_cell_is_compared_with_its_most_accurate_other_policy() -> None:
+    from cords_vllm.lab.bench.paired import against_best_other
+
+    hits = {"cords": [True, True, False, False], "a": [True, False, False, False], "b": [False, True, True, True]}
+    cell = against_best_other(hits, "cords", 0.125)
+    assert (cell.best_other, cell.accuracy, cell.best_other_accuracy) == ("b", 0.5, 0.75)
+    assert (cell.paired.first_only, cell.paired.second_only) == (1, 2)
+    assert cell.row().startswith("| 1/8 | 50.0% [")

@@ -43,6 +43,9 @@ def test_accuracy_benchmark_reports_cells_controls_and_plots(tmp_path: Path) -> 
     assert controls["oracle"]["overall"] == controls["full_same_examples"]["overall"]
     assert controls["blanked"]["overall"] < controls["full_same_examples"]["overall"]
     assert set(payload["coverage_max_gap_vs_infinipot_v"]) == {"joint", "k", "v"}
+    (cell,) = payload["cords_vs_best_other"]  # cords against the best other policy of its cell, on the same questions
+    assert cell["best_other"] == "recency:recent=0" and cell["paired"]["n"] == 6
+    assert cell["interval"][0] <= cell["accuracy"] <= cell["interval"][1]
     for name in ("accuracy_vs_budget.png", "accuracy_by_family.png", "coverage_cdf.png"):
         assert (tmp_path / name).stat().st_size > 10_000
 
