@@ -176,14 +176,8 @@ class WorkerCompressor:
     def _query_capture(self, runner: Any, modules: list[Any]) -> QueryCapture:
         if self.setup.gather_heads is not None:
             raise ValueError(f"--kv-policy {self.config.policy} selects jointly over every rank's KV heads under "
-                             "tensor "
-                             "parallelism, which needs every rank's observation queries; set per_head true in "
+                             "tensor parallelism, which needs every rank's observation queries; set per_head true in "
                              "--kv-policy-config, or serve on one rank")
-
-        def removed(req_id: str) -> int:
-            tracker = self.requests.get(req_id)
-            return tracker.removed_tokens if tracker is not None else 0
-
         rotaries = None
         if self.setup.selector.observation_source == "prompt_at_newest":
             model = runner.get_model()
@@ -195,7 +189,12 @@ class WorkerCompressor:
                                  "expose as rotary_emb")
         return QueryCapture(self.setup.selector, [modules[a] for a in self.setup.anchors],
                             runner.vllm_config.scheduler_config.max_num_seqs, self.config.modalities,
-                            runner.vllm_config.model_config.dtype, self.device, removed, rotaries)
+                            runner.vllm_config.model_config.dtype, self.device, self._removed_tokens, rotaries)
+
+    def _removed_tokens(self, req_id: str) -> int:
+        """Tokens re-basing removed from the request so far (0 for a request never compressed)."""
+        tracker = self.requests.get(req_id)
+        return tracker.removed_tokens if tracker is not None else 0
 
     def _next_position(self, runner: Any, req_id: str) -> int:
         """The rotary position right after the request's newest computed token (M-RoPE: the largest so far)."""
@@ -203,8 +202,7 @@ class WorkerCompressor:
         mrope = getattr(state, "mrope_positions", None)
         if mrope is not None:
             return int(mrope[:, : state.num_computed_tokens].max()) + 1
-        tracker = self.requests.get(req_id)
-        return state.num_computed_tokens + (tracker.removed_tokens if tracker is not None else 0)
+        return state.num_computed_tokens + self._removed_tokens(req_id)
 
     @staticmethod
     def _cache(module: Any) -> torch.Tensor:
@@ -379,7 +377,9 @@ class WorkerCompressor:
         if tracker is None:
             tracker = self.requests[plan.req_id] = WorkerRequest(held=[None] * len(self.caches))
         t0, mark = time.perf_counter(), self.timer.start()
-        next_position = self._next_position(runner, plan.req_id) if self.capture is not None else 0
+        # only rows moved after the newest token read it (an O(prompt) host read of M-RoPE positions)
+        next_position = self._next_position(runner, plan.req_id) if self.capture is not None and \
+            self.capture.moves_rows else 0
         batch = self._region_batch(plan, tracker, self._labels(runner, plan, tracker), next_position)
         tracker.held = compress_region(self.caches, self.accessors, tracker.held, batch, self.setup,
                                        nonfinite=self.nonfinite, codecs=self.codecs)

@@ -103,6 +103,8 @@ class QueryCapture:
             raise ValueError(f"{selector.name}: moving its rows after the newest token needs each anchor layer's "
                              "rotary embedding")
         self.rotaries = rotaries
+        #: Whether :meth:`observed` moves the rows (and so reads its ``next_position``).
+        self.moves_rows = self.source == AT_NEWEST
         heads, size = modules[0].num_heads, modules[0].head_size
         slots = max_requests * self.window
         #: ``[A, slots * window, Hq, D]`` queries and ``long [slots * window]`` token ids (-1: none yet).
@@ -158,10 +160,11 @@ class QueryCapture:
                 rows = self.rows[req_id] = _Rows(self._free.pop(), spans=spans)
             elif computed + n > (rows.spans[-1][1] if rows.spans else 0):
                 rows.spans = candidate_spans_of(state, self.modalities)  # a session's turn brought inputs
+            removed = self.removed_tokens(req_id)
             for pos, row in self._positions(rows, computed, computed + n):
                 src.append(int(starts[i]) + pos - computed)
                 dst.append(rows.slot * self.window + row)
-                ids.append(self.removed_tokens(req_id) + pos)
+                ids.append(removed + pos)
         if not src:
             self.step = None
             return
