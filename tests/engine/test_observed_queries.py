@@ -1,7 +1,8 @@
 """Attention-scored policies see the queries the model computed: the engine's first SnapKV / StreamMem / InfiniPot
 compression keeps exactly what the selector keeps on HF transformers' own queries and keys of the same prompt
-(layer 0, rotary applied), the rows being the newest video tokens (SnapKV), the text before the video (StreamMem),
-or that text read after the newest token (InfiniPot: HF runs it at positions moved there)."""
+(layer 0, rotary applied), the rows being the newest video tokens (SnapKV), the text before the video and its
+vision-start marker (StreamMem), or that text read after the newest token (InfiniPot: HF runs it at positions moved
+there)."""
 
 from __future__ import annotations
 
@@ -63,12 +64,12 @@ def test_first_compression_keeps_what_hf_queries_choose(tiny_model, hf_reference
     if policy == "snapkv":
         rows = pads[pads < at][-WINDOW:]
         visible = torch.arange(region_end)[None, :] <= rows[:, None]
-    else:
-        rows = torch.arange(max(int(pads[0]) - WINDOW, 0), int(pads[0]))
+    else:  # the text before the video's first candidate, its vision-start marker (the scheduler's candidates)
+        rows = torch.arange(max(int(markers[0]) - WINDOW, 0), int(markers[0]))
         visible = torch.ones(rows.numel(), region_end, dtype=torch.bool)
     if policy == "infinipot":  # the catalyst rows as HF computes them once moved right after the newest token
         newest = int(hf_reference.encoded(VIDEO_PROMPT, frames).positions[:, :at].max())
-        q, _ = _hf_queries_and_keys(hf_reference, VIDEO_PROMPT, frames, int(pads[0]), newest + 1 - int(rows[0]))
+        q, _ = _hf_queries_and_keys(hf_reference, VIDEO_PROMPT, frames, int(markers[0]), newest + 1 - int(rows[0]))
     is_video = torch.zeros(at, dtype=torch.bool)
     is_video[pads[pads < at]] = True
     is_video[markers[markers < at]] = True

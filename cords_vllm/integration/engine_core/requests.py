@@ -1,14 +1,13 @@
-"""What the policy reads of a vLLM ``Request`` (engine-core process): its candidate spans and its external id."""
+"""What the policy reads of a vLLM ``Request`` (engine-core process): its inputs' grids, the positions after it and its
+external id (its candidate spans: :mod:`cords_vllm.integration.candidates`)."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Collection
 from typing import Any
 
-from cords_vllm.compress.plan import CandidateSpans
 from cords_vllm.compress.positions import Grid, next_position
-from cords_vllm.config import MODALITIES
+from cords_vllm.integration.candidates import embed_runs
 from cords_vllm.model_facts import ModelFacts
 
 #: vLLM 0.32 makes a request's internal id ``f"{external_id}-{8 random characters}"``
@@ -24,50 +23,6 @@ def external_request_id(internal_id: str) -> str:
     if len(internal_id) > _RANDOM_SUFFIX and internal_id[-_RANDOM_SUFFIX] == "-":
         return internal_id[:-_RANDOM_SUFFIX]
     return internal_id
-
-
-def candidate_spans(request: Any, facts: ModelFacts, modalities: Collection[str] = MODALITIES,
-                    floor: int = 0) -> CandidateSpans:
-    """Logical ranges of a vLLM ``Request``'s candidate tokens from token ``floor`` on: those of its multimodal
-    inputs whose modality is in ``modalities`` (from their placeholders), in prompt order. (A re-based stream's
-    tokens before ``floor`` are its held region, whose inputs' places no longer mean anything.)
-
-    Images and videos alike: each image is one frame (its own M-RoPE temporal label), so the images of a
-    request, e.g. video frames a client sent as ``image_url`` parts, are one stream of frames in time order,
-    interleaved with its videos' frames. Text between and around them is protected.
-
-    A vision marker (:attr:`~cords_vllm.model_facts.ModelFacts.vision_markers`) right before or after an input
-    belongs to it: it is evicted with the input's tokens, so a live stream's per-clip markers (and the pair
-    around every image) do not pile up as text that can never be evicted.
-    """
-    spans: list[tuple[int, int]] = []
-    for feature in getattr(request, "mm_features", None) or ():
-        if feature.modality not in modalities:
-            continue
-        pos = feature.mm_position
-        spans.extend((pos.offset + first, pos.offset + first + n) for first, n in _embed_runs(pos))
-    markers = facts.vision_markers
-    if markers and spans:
-        tokens = request.prompt_token_ids or ()
-        spans = [(start - (start > 0 and tokens[start - 1] in markers),
-                  end + (end < len(tokens) and tokens[end] in markers)) for start, end in spans]
-    return CandidateSpans(tuple(sorted((max(start, floor), end) for start, end in spans if end > floor)))
-
-
-
-def _embed_runs(position: Any) -> list[tuple[int, int]]:
-    """``(first, length)`` of each run of embedded tokens in a placeholder range (one run if it has no mask)."""
-    if position.is_embed is None:
-        return [(0, position.length)]
-    runs: list[tuple[int, int]] = []
-    run_start = None
-    for i, embed in enumerate([*position.is_embed.tolist(), False]):
-        if embed and run_start is None:
-            run_start = i
-        elif not embed and run_start is not None:
-            runs.append((run_start, i - run_start))
-            run_start = None
-    return runs
 
 
 def _field(data: Any, key: str) -> Any:
@@ -93,7 +48,7 @@ def grids_of(features: Any, facts: ModelFacts, start: int = 0) -> list[Grid]:
             raise ValueError(f"a {feature.modality} input reached the engine core without its grid: its positions "
                              "cannot be counted")
         t, h, w = (int(x) for x in thw.tolist())
-        runs = _embed_runs(feature.mm_position)
+        runs = embed_runs(feature.mm_position)
         if len(runs) > 1:
             per_run = h * w // merge**2
             if len(runs) != t or any(n != per_run for _, n in runs):

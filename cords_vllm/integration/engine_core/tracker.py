@@ -26,7 +26,7 @@ from cords_vllm.compress.plan import (
     rebase_state,
 )
 from cords_vllm.config import REQUEST_OVERRIDES_KEY, KVPolicyConfig, KVPolicyConfigError
-from cords_vllm.integration.engine_core.requests import candidate_spans
+from cords_vllm.integration.candidates import candidate_spans
 from cords_vllm.model_facts import ModelFacts
 
 _NO_SPANS = CandidateSpans(())

@@ -188,7 +188,7 @@ class WorkerCompressor:
                                  "with the model's rotary embedding, which this model's attention layers do not "
                                  "expose as rotary_emb")
         return QueryCapture(self.setup.selector, [modules[a] for a in self.setup.anchors],
-                            runner.vllm_config.scheduler_config.max_num_seqs, self.config.modalities,
+                            runner.vllm_config.scheduler_config.max_num_seqs, self.config.modalities, self.facts,
                             runner.vllm_config.model_config.dtype, self.device, self._removed_tokens, rotaries)
 
     def _removed_tokens(self, req_id: str) -> int:

@@ -35,6 +35,8 @@ import torch
 
 from cords_vllm.compress.step import ObservedQueries
 from cords_vllm.compress.transfer import upload
+from cords_vllm.integration.candidates import candidate_spans
+from cords_vllm.model_facts import ModelFacts
 from cords_vllm.selection.base import Selector
 
 NEWEST = "newest_candidates"
@@ -49,13 +51,6 @@ class _Rows:
     slot: int
     written: int = 0
     spans: tuple[tuple[int, int], ...] = field(default_factory=tuple)
-
-
-def candidate_spans_of(state: Any, modalities: Sequence[str]) -> tuple[tuple[int, int], ...]:
-    """Logical ``[start, end)`` ranges of a worker request's inputs of ``modalities`` (its video tokens), sorted."""
-    spans = [(f.mm_position.offset, f.mm_position.offset + f.mm_position.length)
-             for f in getattr(state, "mm_features", None) or () if f.modality in modalities]
-    return tuple(sorted(spans))
 
 
 def newest_in(spans: Sequence[tuple[int, int]], start: int, end: int, count: int) -> list[int]:
@@ -81,8 +76,9 @@ class QueryCapture:
         The anchor layers' vLLM ``Attention`` modules, in the compress step's anchor order.
     max_requests:
         Requests the runner holds at once (``max_num_seqs``): the store's slots.
-    modalities:
-        Modalities whose tokens are candidates.
+    modalities, facts:
+        Modalities whose tokens are candidates, and the model's facts: a request's candidates are those the
+        scheduler plans with (:func:`~cords_vllm.integration.candidates.candidate_spans`, vision markers included).
     removed_tokens:
         ``req_id -> tokens re-basing removed before it`` (the offset of the ids the compress step uses).
     rotaries:
@@ -91,13 +87,14 @@ class QueryCapture:
     """
 
     def __init__(self, selector: Selector, modules: Sequence[Any], max_requests: int, modalities: Sequence[str],
-                 dtype: torch.dtype, device: torch.device, removed_tokens: Callable[[str], int],
+                 facts: ModelFacts, dtype: torch.dtype, device: torch.device, removed_tokens: Callable[[str], int],
                  rotaries: Sequence[Any] | None = None) -> None:
         if selector.observation_source not in (NEWEST, PROXY, AT_NEWEST):
             raise ValueError(f"{selector.name}: unknown observation source {selector.observation_source!r}")
         self.source = selector.observation_source
         self.window = int(selector.window)
         self.modalities = tuple(modalities)
+        self.facts = facts
         self.removed_tokens = removed_tokens
         if self.source == AT_NEWEST and (rotaries is None or len(rotaries) != len(modules)):
             raise ValueError(f"{selector.name}: moving its rows after the newest token needs each anchor layer's "
@@ -154,12 +151,12 @@ class QueryCapture:
                 continue
             rows = self.rows.get(req_id)
             if rows is None:
-                spans = candidate_spans_of(state, self.modalities)
+                spans = candidate_spans(state, self.facts, self.modalities).spans
                 if not spans or not self._free:
                     continue
                 rows = self.rows[req_id] = _Rows(self._free.pop(), spans=spans)
             elif computed + n > (rows.spans[-1][1] if rows.spans else 0):
-                rows.spans = candidate_spans_of(state, self.modalities)  # a session's turn brought inputs
+                rows.spans = candidate_spans(state, self.facts, self.modalities).spans  # a turn brought inputs
             removed = self.removed_tokens(req_id)
             for pos, row in self._positions(rows, computed, computed + n):
                 src.append(int(starts[i]) + pos - computed)
