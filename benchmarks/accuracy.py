@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint", default=None, help="default: the shipped trained model")
     p.add_argument("--families", nargs="+", default=[getattr(f, "name", f) for f in FAMILIES])
     p.add_argument("--per-family", type=int, default=32)
+    p.add_argument("--split", choices=["heldout", "monitor", "test"], default="heldout",
+                   help="question split: tune on monitor, report heldout (test is kept unseen)")
     p.add_argument("--frames", type=int, default=64, help="video length (training used 64)")
     p.add_argument("--policies", nargs="+", default=available_selectors(),
                    help="registry names or variants NAME:key=value,... (e.g. cords:granularity=token,alpha=0.1); "
@@ -92,10 +94,10 @@ def main(argv: list[str] | None = None) -> int:
 
     checkpoint = Path(args.checkpoint) if args.checkpoint else shipped_checkpoint()
     geometry = VideoGeometry(num_frames=args.frames)
-    examples = make_split(args.families, args.per_family, "heldout", geometry=geometry)
+    examples = make_split(args.families, args.per_family, args.split, geometry=geometry)
     shape = EngineShape(chunk=args.chunk, batch=args.batch, fps=video_fps(checkpoint, args.fps))
     specs = policy_specs(args)
-    print(f"{len(examples)} held-out examples ({', '.join(args.families)}), {args.frames} frames = "
+    print(f"{len(examples)} {args.split} examples ({', '.join(args.families)}), {args.frames} frames = "
           f"{geometry.num_video_tokens} video tokens each; checkpoint {checkpoint.name}", flush=True)
     runs = with_progress(specs, args.fractions,
                          lambda report: evaluate(checkpoint, examples, specs, args.fractions, shape, on_cell=report,
@@ -111,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             if run.label == policy and run.fraction == min(args.fractions, key=lambda x: abs(x - 1 / 8)):
                 print(f"\n{policy} at 1/{round(1 / run.fraction)}: {format_report(run.report)}")
 
-    payload = {"argv": sys.argv[1:], "examples": len(examples), "frames": args.frames,
+    payload = {"argv": sys.argv[1:], "split": args.split, "examples": len(examples), "frames": args.frames,
                "runs": [r.to_json() for r in runs]}
     cells = compare_with_best_other([r for r in runs if r.inputs == args.inputs[0]], examples, args.fractions)
     if cells:
@@ -159,15 +161,16 @@ def main(argv: list[str] | None = None) -> int:
 def compare_with_best_other(runs: list[AccuracyRun], examples: Sequence[VQAExample], fractions: list[float],
                             policy: str = "cords") -> list:
     """Print and return, per budget, ``policy``'s accuracy with its 95% Wilson interval against the most accurate
-    other policy of the cell, with the exact McNemar test on the same questions
-    (:func:`cords_vllm.lab.bench.paired.against_best_other`); empty when ``policy`` did not run."""
+    other policy of the cell (``policy``'s own variants, ``policy:key=value``, are not others), with the exact
+    McNemar test on the same questions (:func:`cords_vllm.lab.bench.paired.against_best_other`); empty when
+    ``policy`` did not run."""
     from cords_vllm.lab.bench.paired import against_best_other
 
     truth = [e.answer for e in examples]
     cells = []
     for fraction in fractions:
         hits = {r.label: [p == t for p, t in zip(r.predictions, truth, strict=True)]
-                for r in runs if r.fraction == fraction}
+                for r in runs if r.fraction == fraction and not r.label.startswith(f"{policy}:")}
         if policy in hits and len(hits) > 1:
             cells.append(against_best_other(hits, policy, fraction))
     if cells:
@@ -274,7 +277,7 @@ def stream_mode(args: argparse.Namespace) -> int:
 
     checkpoint = Path(args.checkpoint) if args.checkpoint else shipped_checkpoint()
     out = args.out or Path("benchmarks/out/accuracy_stream")
-    examples = make_split(args.families, args.per_family, "heldout", geometry=VideoGeometry(num_frames=args.frames))
+    examples = make_split(args.families, args.per_family, args.split, geometry=VideoGeometry(num_frames=args.frames))
     plans = [plan_stream(e, args.push_frames, args.delay_pushes) for e in examples]
     shape = EngineShape(chunk=args.chunk, batch=args.batch, fps=video_fps(checkpoint, args.fps))
     specs = policy_specs(args)
@@ -292,8 +295,8 @@ def stream_mode(args: argparse.Namespace) -> int:
           "video)")
     for run in runs[1:]:
         print(f"\n{run.label} at 1/{round(1 / run.fraction)}: {format_report(run.report)}")
-    payload = {"argv": sys.argv[1:], "mode": "stream", "examples": len(plans), "frames": args.frames,
-               "push_frames": args.push_frames, "delay_pushes": args.delay_pushes,
+    payload = {"argv": sys.argv[1:], "mode": "stream", "split": args.split, "examples": len(plans),
+               "frames": args.frames, "push_frames": args.push_frames, "delay_pushes": args.delay_pushes,
                "pushes": pushes, "needle_push": [p.needle_push for p in plans], "runs": [r.to_json() for r in runs]}
     out.mkdir(parents=True, exist_ok=True)
     (out / "stream_results.json").write_text(json.dumps(payload, indent=2, default=float) + "\n")

@@ -32,6 +32,7 @@ def test_accuracy_benchmark_reports_cells_controls_and_plots(tmp_path: Path) -> 
     payload = json.loads((tmp_path / "results.json").read_text())
     runs = {(r["label"], r["fraction"]): r for r in payload["runs"]}
     assert set(runs) == {("none", None), ("cords", 0.25), ("recency:recent=0", 0.25)}
+    assert payload["split"] == "heldout"  # the reported questions; tuning runs take --split monitor
     assert runs[("cords", 0.25)]["config"]["granularity"] == "token"
     assert runs[("recency:recent=0", 0.25)]["config"]["recent"] == 0
     full = runs[("none", None)]
@@ -55,9 +56,10 @@ def test_accuracy_benchmark_compares_frames_as_images_with_the_video(tmp_path: P
     script = _load_script()
     rc = script.main(["--families", "colour", "static", "--per-family", "2", "--fractions", "0.25",
                       "--policies", "cords", "--inputs", "video", "images", "--equal", equal, "--no-controls",
-                      "--out", str(tmp_path)])
+                      "--split", "monitor", "--out", str(tmp_path)])
     assert rc == 0
     payload = json.loads((tmp_path / "results.json").read_text())
+    assert payload["split"] == "monitor"
     runs = {(r["label"], r["fraction"], r["inputs"]): r for r in payload["runs"]}
     assert set(runs) == {(label, fraction, inputs) for label, fraction in (("none", None), ("cords", 0.25))
                          for inputs in ("video", "images")}
