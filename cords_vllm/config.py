@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cords_vllm.compress.plan import BudgetSettings, stream_footprint_blocks
+from cords_vllm.compress.unit_choice import AUTO, DEFAULT_MIN_UNITS
 from cords_vllm.kernel_backend import CHOICES as KERNEL_CHOICES
 from cords_vllm.kernel_backend import requested as requested_kernels
 from cords_vllm.selection import available_selectors, get_selector, selector_params
@@ -42,9 +43,13 @@ ENGINE_KEYS: dict[str, str] = {
     "recent": "most recent video tokens always kept (int, 0 <= recent < budget; default budget // 4)",
     "slack": "extra video tokens allowed above budget before compressing again, so compression does not "
              "run every chunk (int >= 0; default budget // 4)",
-    "granularity": "selection unit: 'frame' (centroid of a video frame's tokens, as in the paper; needs "
-                   "M-RoPE frame positions, i.e. the Qwen2-VL family), 'token', or 'block' (centroid of a paged "
-                   "KV block's tokens) (default 'frame')",
+    "granularity": "selection unit: 'auto' (each compression selects runs of consecutive video tokens, as wide "
+                   "as keeps at least min_units of them: whole frames when the budget allows, single tokens when "
+                   "it is tight), 'frame' (centroid of a video frame's tokens, as in the paper; needs the model's "
+                   "frames: M-RoPE positions or a known placeholder layout), 'token', or 'block' (centroid of a "
+                   "paged KV block's tokens) (default 'auto')",
+    "min_units": "under granularity 'auto', the fewest units (frames, runs of tokens or tokens) a compression "
+                 f"keeps (int >= 1; default {DEFAULT_MIN_UNITS})",
     "per_head": "select tokens for each KV head on its own instead of all heads jointly (bool; default "
                 "false)",
     "anchors": "layers that run the selector on their own keys/values: a list of layer indices (or one index), "
@@ -99,7 +104,10 @@ class KVPolicyConfig:
         Video tokens held after compression, of which ``recent`` are the newest (always kept), and the
         head-room above ``budget`` before the next compression. See :data:`ENGINE_KEYS`.
     granularity:
-        ``"token"``, ``"frame"`` or ``"block"``.
+        ``"auto"``, ``"token"``, ``"frame"`` or ``"block"``; ``"auto"`` chooses per compression
+        (:func:`~cords_vllm.compress.unit_choice.compression_unit`).
+    min_units:
+        Under ``"auto"``, the fewest units a compression keeps.
     per_head:
         Per-KV-head selection instead of joint selection over all heads.
     anchors:
@@ -121,7 +129,8 @@ class KVPolicyConfig:
     budget: int = 2048
     recent: int = 512
     slack: int = 512
-    granularity: str = "frame"
+    granularity: str = AUTO
+    min_units: int = DEFAULT_MIN_UNITS
     per_head: bool = False
     anchors: tuple[int, ...] | None = (0,)
     modalities: tuple[str, ...] = MODALITIES
@@ -161,11 +170,12 @@ class KVPolicyConfig:
         if recent >= budget:
             raise KVPolicyConfigError(f"kv_policy_config key 'recent' must be < budget ({budget}), got {recent}")
         slack = _int(engine, "slack", budget // 4, minimum=0)
-        granularity = engine.get("granularity", "frame")
-        if granularity not in GRANULARITIES:
+        granularity = engine.get("granularity", AUTO)
+        if granularity not in (AUTO, *GRANULARITIES):
             raise KVPolicyConfigError(
-                f"kv_policy_config key 'granularity' must be one of {list(GRANULARITIES)}, got {granularity!r}"
+                f"kv_policy_config key 'granularity' must be one of {[AUTO, *GRANULARITIES]}, got {granularity!r}"
             )
+        min_units = _int(engine, "min_units", DEFAULT_MIN_UNITS, minimum=1)
         per_head = engine.get("per_head", False)
         if not isinstance(per_head, bool):
             raise KVPolicyConfigError(f"kv_policy_config key 'per_head' must be true or false, got {per_head!r}")
@@ -182,7 +192,7 @@ class KVPolicyConfig:
             except ValueError as exc:
                 raise KVPolicyConfigError(f"environment variable {exc}") from None
         return cls(policy=policy, budget=budget, recent=recent, slack=slack, granularity=granularity,
-                   per_head=per_head, anchors=_anchors(engine.get("anchors", [0])),
+                   min_units=min_units, per_head=per_head, anchors=_anchors(engine.get("anchors", [0])),
                    modalities=_modalities(engine.get("modalities", list(MODALITIES))), max_text_tokens=max_text,
                    kernels=kernels, params=params)
 

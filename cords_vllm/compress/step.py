@@ -54,6 +54,7 @@ import torch
 from cords_vllm.compress.kv_access import KVAccessor, PagedAccessor, run_view
 from cords_vllm.compress.kv_codec import KVCodec, PlainCodec
 from cords_vllm.compress.tensor_parallel import HeadGather
+from cords_vllm.compress.unit_choice import AUTO
 from cords_vllm.kernel_backend import kernels_in_force, use_triton
 from cords_vllm.selection.base import Selector
 from cords_vllm.selection.exact import select_exact
@@ -81,13 +82,14 @@ class RegionBatch:
     spans:
         ``long [V, 2]``: video ``[start, end)`` ranges (candidates) over the same ids, covering ``new_ids``.
     new_labels:
-        ``long [N]``, frame granularity only: the frame label (M-RoPE temporal position) of each entering
-        token; ``None`` otherwise.
+        ``long [N]``, frame or auto granularity: the frame label (M-RoPE temporal position) of each entering
+        token (kept with the held tokens, so any later compression may select frames); ``None`` otherwise.
     num_keep, num_keep_candidates, num_candidates:
         Tokens kept in the region (protected included), video tokens kept of the candidates, candidates (the
         region's video tokens but the ``num_recent`` newest).
     group_size:
-        Tokens per selection group (the largest frame, or the block size); ``None`` at token granularity.
+        Tokens per selection group (the largest frame; at ``block`` granularity the block size, or the run length
+        ``granularity: "auto"`` chose); ``None`` at token granularity.
     frame_budget:
         Frames to ask the selector for at frame granularity. ``None`` (what the worker passes): the fewest that
         always hold enough, read back with the frame count in the compression's one host read (see
@@ -100,6 +102,9 @@ class RegionBatch:
     num_recent:
         The region's newest video tokens that belong to the recent window: protected in this compression (kept),
         still video (candidates of later compressions once older ones arrived).
+    granularity:
+        This compression's unit where the setup's is ``"auto"`` (the worker resolves it with
+        :func:`~cords_vllm.compress.unit_choice.compression_unit`); ``None``: the setup's.
     """
 
     src_slots: torch.Tensor
@@ -115,6 +120,14 @@ class RegionBatch:
     frame_tokens: int | None = None
     observed: ObservedQueries | None = None
     num_recent: int = 0
+    granularity: str | None = None
+
+    def unit(self, setup: SelectionSetup) -> str:
+        """The unit this compression selects: :attr:`granularity`, else the setup's (never ``"auto"``)."""
+        unit = self.granularity or setup.granularity
+        if unit == AUTO:
+            raise ValueError("granularity 'auto' must be resolved per compression (RegionBatch.granularity)")
+        return unit
 
 
 @dataclass(frozen=True)
@@ -229,8 +242,9 @@ def select_positions(setup: SelectionSetup, keys: torch.Tensor, values: torch.Te
     for this rank's ``H``.
     """
     a, h, t, d = keys.shape
+    unit = batch.unit(setup)
     candidates = tokens.candidates  # [A, H, T]
-    labels = tokens.labels if setup.granularity == "frame" else None  # [A, H, T]
+    labels = tokens.labels if unit == "frame" else None  # [A, H, T]
     if setup.per_head:
         k, v, cand = keys.reshape(a * h, 1, t, d), values.reshape(a * h, 1, t, d), candidates.reshape(a * h, t)
         labels = None if labels is None else labels.reshape(a * h, t)
@@ -249,8 +263,8 @@ def select_positions(setup: SelectionSetup, keys: torch.Tensor, values: torch.Te
                              "queries, which the compress step does not gather; select per head")
         observation = batch.observed.observation(tokens.ids[:, 0], h, setup.per_head)
     positions = select_exact(
-        setup.selector, k, v, batch.num_keep_candidates, candidates=cand, granularity=setup.granularity,
-        group_size=batch.group_size, group_index=labels if setup.granularity == "frame" else None,
+        setup.selector, k, v, batch.num_keep_candidates, candidates=cand, granularity=unit,
+        group_size=batch.group_size, group_index=labels,
         num_candidates=batch.num_candidates, frame_budget=batch.frame_budget, frame_tokens=batch.frame_tokens,
         generator=generator, observation=observation)
     return positions.reshape(a, h, -1) if setup.per_head else positions[:, None, :].expand(a, h, -1)

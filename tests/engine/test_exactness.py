@@ -27,7 +27,8 @@ def _compare(run, ref_result, index=0):
 
 
 @pytest.mark.parametrize("config", [
-    pytest.param({}, id="cords-one-anchor-frame"),
+    pytest.param({}, id="cords-default-auto"),
+    pytest.param({"granularity": "frame"}, id="cords-one-anchor-frame"),
     pytest.param({"granularity": "block"}, id="cords-block"),
     pytest.param({"anchors": [0, 2]}, id="cords-two-anchors"),
     pytest.param({"per_head": True, "anchors": "all"}, id="cords-per-head-all-layers"),

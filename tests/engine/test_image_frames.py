@@ -56,7 +56,7 @@ def _check_against_reference(model, hf_reference, prompt: str, images, frames=No
 def test_images_are_compressed_like_frames(tiny_model, hf_reference):
     images = _frames_as_images(12)
     prompt = "<|im_start|>user\n" + IMAGE * len(images) + QUESTION
-    run, ids = _check_against_reference(tiny_model, hf_reference, prompt, images)
+    run, ids = _check_against_reference(tiny_model, hf_reference, prompt, images, granularity="frame")
     assert len(run.events) >= 2, "12 images of 64 tokens against a budget of 256 must compress at least twice"
     vocab = hf_reference.config
     allowed = {vocab.image_token_id, vocab.vision_start_token_id, vocab.vision_end_token_id}

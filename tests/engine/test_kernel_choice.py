@@ -34,7 +34,7 @@ def test_the_kernels_key_reaches_the_workers_and_both_paths_keep_the_same_tokens
     worker_log.setLevel(logging.INFO)
     try:
         runs = {kernels: run_engine(tiny_model, prompts, "cords", max_tokens=4, budget=256, slack=64,
-                                    kernels=kernels) for kernels in ("torch", "triton")}
+                                    granularity="frame", kernels=kernels) for kernels in ("torch", "triton")}
     finally:
         worker_log.removeHandler(lines)
         worker_log.setLevel(level)

@@ -21,7 +21,7 @@ def test_registry_lists_none_first_then_every_selector():
 def test_defaults():
     cfg = KVPolicyConfig.parse("cords", None)
     assert (cfg.budget, cfg.recent, cfg.slack, cfg.granularity, cfg.per_head, cfg.anchors) == (
-        2048, 512, 512, "frame", False, (0,))
+        2048, 512, 512, "auto", False, (0,))
     assert cfg.modalities == ("image", "video")  # frames sent as images are compressed too
     assert cfg.enabled
     assert not KVPolicyConfig.parse(None, None).enabled

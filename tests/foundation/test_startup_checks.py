@@ -68,7 +68,7 @@ def test_budget_no_request_can_exceed_is_refused(tiny_model):
 
 
 def test_frame_granularity_without_mrope_is_refused(text_model):
-    message = refused(text_model, engine={"limit_mm_per_prompt": {}})
+    message = refused(text_model, engine={"limit_mm_per_prompt": {}}, granularity="frame")
     assert "'granularity'" in message and "'token'" in message and "'block'" in message
 
 
@@ -103,7 +103,7 @@ def test_valid_policy_logs_one_startup_line_and_no_warning(tiny_model):
     warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING]
     assert len(infos) == 1, infos
     line = infos[0]
-    for needle in ("--kv-policy cords", '"budget": 256', '"recent": 64', '"slack": 64', '"granularity": "frame"',
+    for needle in ("--kv-policy cords", '"budget": 256', '"recent": 64', '"slack": 64', '"granularity": "auto"',
                    '"per_head": false', '"anchors": [0, 2]', '"alpha": 0.1', '"eta": 0.25', '"lam": 0.25',
                    "prefix caching off"):
         assert needle in line, (needle, line)

@@ -47,6 +47,7 @@ from cords_vllm.compress.kv_codec import KVCodec, check_kv_cache_dtype
 from cords_vllm.compress.plan import NULL_BLOCK_ID, CompressionPlan, RebasePlan
 from cords_vllm.compress.step import RegionBatch, SelectionSetup, compress_region
 from cords_vllm.compress.transfer import upload
+from cords_vllm.compress.unit_choice import AUTO, compression_unit
 from cords_vllm.config import KVPolicyConfig
 from cords_vllm.integration import failures
 from cords_vllm.integration.engine_facts import attention_group_index, model_facts_of
@@ -319,7 +320,7 @@ class WorkerCompressor:
         """Frame labels of the tokens entering the region (host, ``long [N]``) when the plan needs them, after
         updating the request's frame sizes from its spans ahead of the region (those behind it were read by
         earlier compressions)."""
-        if self.config.granularity != "frame" and not self.setup.selector.needs_frame_length:
+        if self.config.granularity not in ("frame", AUTO) and not self.setup.selector.needs_frame_length:
             return None
         begin, region_end = plan.prev_region_blocks * plan.block_size, plan.region_blocks * plan.block_size
         spans = [(max(a, begin), b) for a, b in plan.candidates.spans if b > begin]
@@ -359,17 +360,20 @@ class WorkerCompressor:
             host.append(labels.numpy())
         src, kept, spans_d, *rest = upload(host, self.device)
         new_ids = torch.arange(base + plan.prev_region_blocks * bs, base + plan.region_blocks * bs, device=self.device)
-        granularity = self.config.granularity
-        group_size = {"block": bs, "frame": tracker.largest_frame if frames else None}.get(granularity)
+        unit = compression_unit(self.config.granularity, plan.num_keep_candidates,
+                                tracker.largest_frame if frames else None, self.config.min_units)
+        group_size = {"block": unit.group_size or bs, "frame": tracker.largest_frame if frames else None
+                      }.get(unit.granularity)
         # No frame_budget: the exact one depends on which frames earlier compressions kept (and trimmed), chosen
         # on the device; select_exact reads it with the frame count in the compression's one host read.
         return RegionBatch(
             src_slots=slots_of(src, bs), dst_slots=slots_of(kept, bs), new_ids=new_ids, spans=spans_d,
-            new_labels=rest[0] if granularity == "frame" and frames else None,
+            new_labels=rest[0] if self.config.granularity in ("frame", AUTO) and frames else None,
             num_keep=plan.num_keep, num_keep_candidates=plan.num_keep_candidates,
             num_candidates=plan.num_held_candidates, group_size=group_size,
             frame_tokens=tracker.first_frame if frames else None, num_recent=plan.num_recent,
-            observed=None if self.capture is None else self.capture.observed(plan.req_id, next_position))
+            observed=None if self.capture is None else self.capture.observed(plan.req_id, next_position),
+            granularity=unit.granularity)
 
     def _apply(self, runner: Any, plan: CompressionPlan) -> None:
         self._rewrite_rows(runner, plan)
