@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     paths = []
     for inputs in args.inputs:
         paths += plot_accuracy([r for r in runs if r.inputs == inputs], args.out if inputs == "video" else
-                               args.out / inputs)
+                               args.out / inputs, split=args.split)
     if comparison:
         shared = "same share of their frames" if args.equal == "frames" else "same KV held"
         paths.append(plot_inputs_comparison(comparison, args.out / "inputs_comparison.png",
@@ -300,7 +300,7 @@ def stream_mode(args: argparse.Namespace) -> int:
                "pushes": pushes, "needle_push": [p.needle_push for p in plans], "runs": [r.to_json() for r in runs]}
     out.mkdir(parents=True, exist_ok=True)
     (out / "stream_results.json").write_text(json.dumps(payload, indent=2, default=float) + "\n")
-    for path in [out / "stream_results.json", *plot_accuracy(runs, out)]:
+    for path in [out / "stream_results.json", *plot_accuracy(runs, out, split=args.split)]:
         print(f"wrote {path}")
     return 0
 
