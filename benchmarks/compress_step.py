@@ -40,6 +40,7 @@ import torch
 
 from cords_vllm.compress.kv_access import PagedAccessor, slots_of
 from cords_vllm.compress.step import RegionBatch, SelectionSetup, compress_region
+from cords_vllm.compress.unit_choice import AUTO, compression_unit
 from cords_vllm.selection import get_selector
 
 #: The issue's targets on an H100-class GPU: wall ms per compression at the default shape.
@@ -104,7 +105,8 @@ def cases(quick: bool) -> list[Case]:
     else:
         big, small = Shape(), Shape(frames=5, keep_frames=4)
         three = (0, 2, 4)
-    return [Case("frame, anchors [0]", "frame", (0,), big),
+    return [Case("auto (the default), anchors [0]", AUTO, (0,), big),
+            Case("frame, anchors [0]", "frame", (0,), big),
             Case(f"frame, anchors {list(three)}", "frame", three, big),
             Case("block, anchors [0]", "block", (0,), big),
             Case("token, anchors [0]", "token", (0,), big),
@@ -117,8 +119,10 @@ def anchor_of(anchors: tuple[int, ...], layers: int) -> tuple[int, ...]:
 
 def build(shape: Shape, granularity: str, device: torch.device, dtype: torch.dtype
           ) -> tuple[list[torch.Tensor], RegionBatch]:
-    """Caches of every layer (one allocation each, as vLLM makes them) and the region's first compression."""
+    """Caches of every layer (one allocation each, as vLLM makes them) and the region's first compression
+    (``granularity`` ``"auto"``: the unit the worker would choose, :func:`compression_unit`)."""
     bs = shape.block_size
+    unit = compression_unit(granularity, shape.kept - shape.text, shape.frame_tokens)
     region_blocks = shape.held // bs
     num_blocks = region_blocks + 16
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -131,9 +135,10 @@ def build(shape: Shape, granularity: str, device: torch.device, dtype: torch.dty
         src_slots=slots_of(blocks, bs), dst_slots=slots_of(blocks[: shape.kept // bs], bs),
         new_ids=torch.arange(shape.held, device=device),
         spans=torch.tensor([[shape.text, shape.held]], device=device),
-        new_labels=labels if granularity == "frame" else None, num_keep=shape.kept,
+        new_labels=labels if granularity in ("frame", AUTO) else None, num_keep=shape.kept,
         num_keep_candidates=shape.kept - shape.text, num_candidates=shape.held - shape.text,
-        group_size={"frame": shape.frame_tokens, "block": bs}.get(granularity), frame_tokens=shape.frame_tokens)
+        group_size={"frame": shape.frame_tokens, "block": unit.group_size or bs}.get(unit.granularity),
+        frame_tokens=shape.frame_tokens, granularity=unit.granularity)
     return caches, batch
 
 
