@@ -27,9 +27,9 @@ def _compare(run, ref_result, index=0):
 
 
 @pytest.mark.parametrize("config", [
-    pytest.param({}, id="cords-default-auto"),
+    # the default unit, auto: here runs of 4 tokens, the fixed-run path `block` granularity takes
+    pytest.param({}, id="cords-default-auto-runs"),
     pytest.param({"granularity": "frame"}, id="cords-one-anchor-frame"),
-    pytest.param({"granularity": "block"}, id="cords-block"),
     pytest.param({"anchors": [0, 2]}, id="cords-two-anchors"),
     pytest.param({"per_head": True, "anchors": "all"}, id="cords-per-head-all-layers"),
     pytest.param({"granularity": "token"}, id="cords-token"),
