@@ -298,6 +298,9 @@ def stream_mode(args: argparse.Namespace) -> int:
     payload = {"argv": sys.argv[1:], "mode": "stream", "split": args.split, "examples": len(plans),
                "frames": args.frames, "push_frames": args.push_frames, "delay_pushes": args.delay_pushes,
                "pushes": pushes, "needle_push": [p.needle_push for p in plans], "runs": [r.to_json() for r in runs]}
+    cells = compare_with_best_other(runs, examples, args.fractions)
+    if cells:
+        payload["cords_vs_best_other"] = [c.to_json() for c in cells]
     out.mkdir(parents=True, exist_ok=True)
     (out / "stream_results.json").write_text(json.dumps(payload, indent=2, default=float) + "\n")
     for path in [out / "stream_results.json", *plot_accuracy(runs, out, split=args.split)]:

@@ -202,9 +202,10 @@ def evaluate_streams(checkpoint: str | Path, plans: Sequence[StreamPlan], polici
                                                shape.block_size):
         t0 = time.perf_counter()
         results = run_stream_policy(checkpoint, plans, spec, budget, shape)
-        run = AccuracyRun(spec.label, spec.policy, spec.config, fraction, budget,
-                          accuracy_report(examples, [r.answer for r in results]),
-                          float(np.mean([r.held_candidate_tokens for r in results])), time.perf_counter() - t0)
+        answers = [r.answer for r in results]
+        run = AccuracyRun(spec.label, spec.policy, spec.config, fraction, budget, accuracy_report(examples, answers),
+                          float(np.mean([r.held_candidate_tokens for r in results])), time.perf_counter() - t0,
+                          predictions=answers)
         runs.append(run)
         if on_cell:
             on_cell(run)
