@@ -7,8 +7,9 @@ dilutes what makes a few of its tokens stand out. On the shipped video-QA model 
 frames of 16 tokens) a compression keeping about one frame answered 57% (64-frame videos) and 53% (128 frames) at
 frame granularity, against 98% and 95% at token granularity; about four frames, 92% against 96%
 (docs/results.md, "Choosing the unit"). Token granularity, though, takes one greedy step per kept *token* over
-every candidate token: on two CPU cores 255 ms where frames take 4 ms (2,048 candidates, 384 kept), and seconds
-for a long video.
+every candidate token: on two idle CPU cores (the selector alone, 2 KV heads of 128; ``benchmarks/unit_cost.py``)
+74 ms where frames take 2.0 ms (2,048 candidates, 384 kept), and 1.6 s where they take 16.5 ms (16,384 candidates,
+1,536 kept); ``auto`` takes 5.1 and 8.3 ms there.
 
 ``auto`` takes the unit between the two that keeps at least ``min_units`` units: runs of ``g`` consecutive
 candidate tokens, ``g`` the largest divisor of the request's largest frame (so runs never straddle two whole
