@@ -46,11 +46,20 @@ AT_NEWEST = "prompt_at_newest"
 
 @dataclass
 class _Rows:
-    """One request's rows: its slot in the store and how many of its rows were written."""
+    """One request's rows: its slot in the store, how many of its rows were written, and its candidate spans with the
+    inputs they were read from (:func:`_inputs_key`)."""
 
     slot: int
     written: int = 0
     spans: tuple[tuple[int, int], ...] = field(default_factory=tuple)
+    inputs: tuple[int, int] = (0, -1)
+
+
+def _inputs_key(state: Any) -> tuple[int, int]:
+    """How many multimodal inputs a worker request has and where its last one starts: changes when a session's turn
+    brings (or re-basing replaces) inputs, not from one step to the next."""
+    features = getattr(state, "mm_features", None) or ()
+    return len(features), features[-1].mm_position.offset if features else -1
 
 
 def newest_in(spans: Sequence[tuple[int, int]], start: int, end: int, count: int) -> list[int]:
@@ -150,13 +159,14 @@ class QueryCapture:
             if n == 0 or state is None:
                 continue
             rows = self.rows.get(req_id)
+            inputs = _inputs_key(state)
             if rows is None:
                 spans = candidate_spans(state, self.facts, self.modalities).spans
                 if not spans or not self._free:
                     continue
-                rows = self.rows[req_id] = _Rows(self._free.pop(), spans=spans)
-            elif computed + n > (rows.spans[-1][1] if rows.spans else 0):
-                rows.spans = candidate_spans(state, self.facts, self.modalities).spans  # a turn brought inputs
+                rows = self.rows[req_id] = _Rows(self._free.pop(), spans=spans, inputs=inputs)
+            elif inputs != rows.inputs:  # a session's turn brought inputs: read the spans again, once
+                rows.spans, rows.inputs = candidate_spans(state, self.facts, self.modalities).spans, inputs
             removed = self.removed_tokens(req_id)
             for pos, row in self._positions(rows, computed, computed + n):
                 src.append(int(starts[i]) + pos - computed)
