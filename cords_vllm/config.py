@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from cords_vllm.compress.layer_scope import scope_problem
 from cords_vllm.compress.plan import BudgetSettings, stream_footprint_blocks
 from cords_vllm.compress.unit_choice import AUTO, DEFAULT_MIN_UNITS
 from cords_vllm.kernel_backend import CHOICES as KERNEL_CHOICES
@@ -54,6 +55,10 @@ ENGINE_KEYS: dict[str, str] = {
                 "false)",
     "anchors": "layers that run the selector on their own keys/values: a list of layer indices (or one index), "
                "or 'all' (every layer is its own anchor, no followers) (default [0])",
+    "compressed_layers": "layer-selective compression (the paper's setting): compress attention layers "
+                         "0..compressed_layers-1 and keep every token in the layers above, which need a whole "
+                         "max-model-len request in the pool and do not serve live streams (int >= 1; default: every "
+                         "layer compressed). The anchors must lie in the compressed layers",
     "modalities": "which inputs' tokens are candidates for eviction: a list of 'image' and/or 'video' (default "
                   "both). Each image is one frame, and the images and videos of a request form one stream of "
                   "frames in prompt order, so frames a client sends as images (lmms-eval, VLMEvalKit) are "
@@ -112,6 +117,9 @@ class KVPolicyConfig:
         Per-KV-head selection instead of joint selection over all heads.
     anchors:
         Anchor layer indices, or ``None`` for "every layer is an anchor".
+    compressed_layers:
+        Layer-selective compression: only attention layers ``0 .. compressed_layers - 1`` are compressed, the
+        others keep every token (:mod:`cords_vllm.compress.layer_scope`); ``None``: every layer is compressed.
     modalities:
         vLLM modality names (``"image"``, ``"video"``) whose tokens are candidates; the rest is protected.
     max_text_tokens:
@@ -133,6 +141,7 @@ class KVPolicyConfig:
     min_units: int = DEFAULT_MIN_UNITS
     per_head: bool = False
     anchors: tuple[int, ...] | None = (0,)
+    compressed_layers: int | None = None
     modalities: tuple[str, ...] = MODALITIES
     max_text_tokens: int | None = None
     kernels: str | None = None
@@ -179,6 +188,9 @@ class KVPolicyConfig:
         per_head = engine.get("per_head", False)
         if not isinstance(per_head, bool):
             raise KVPolicyConfigError(f"kv_policy_config key 'per_head' must be true or false, got {per_head!r}")
+        compressed_layers = engine.get("compressed_layers")
+        if compressed_layers is not None:
+            compressed_layers = _int(engine, "compressed_layers", 1, minimum=1)
         max_text = engine.get("max_text_tokens")
         if max_text is not None:
             max_text = _int(engine, "max_text_tokens", 0, minimum=0)
@@ -193,6 +205,7 @@ class KVPolicyConfig:
                 raise KVPolicyConfigError(f"environment variable {exc}") from None
         return cls(policy=policy, budget=budget, recent=recent, slack=slack, granularity=granularity,
                    min_units=min_units, per_head=per_head, anchors=_anchors(engine.get("anchors", [0])),
+                   compressed_layers=compressed_layers,
                    modalities=_modalities(engine.get("modalities", list(MODALITIES))), max_text_tokens=max_text,
                    kernels=kernels, params=params)
 
@@ -215,6 +228,8 @@ class KVPolicyConfig:
             del out["max_text_tokens"]
         if self.kernels is None:
             del out["kernels"]
+        if self.compressed_layers is None:
+            del out["compressed_layers"]
         return {**out, **dict(self.params)}
 
     def settings(self) -> dict[str, Any]:
@@ -280,12 +295,22 @@ class KVPolicyConfig:
         below = [a for a in self.anchors if a <= layer]
         return max(below) if below else min(self.anchors)
 
+    def layer_selective(self, num_layers: int) -> bool:
+        """Whether some of a model's ``num_layers`` attention layers are kept whole (``compressed_layers`` below
+        ``num_layers``)."""
+        return self.compressed_layers is not None and self.compressed_layers < num_layers
+
     def check_model(self, num_layers: int) -> None:
-        """Reject anchors that do not exist in a model with ``num_layers`` layers."""
-        if self.anchors is not None and max(self.anchors) >= num_layers:
+        """Reject anchors and a layer scope that a model with ``num_layers`` attention layers cannot have."""
+        compressed = num_layers if self.compressed_layers is None else self.compressed_layers
+        if self.compressed_layers is not None and (problem := scope_problem(compressed, num_layers)) is not None:
+            raise KVPolicyConfigError(
+                f"kv_policy_config key 'compressed_layers' = {compressed} cannot run: {problem}", "compressed_layers")
+        if self.anchors is not None and max(self.anchors) >= compressed:
+            where = ("the compressed layers are" if compressed < num_layers else "the model has layers")
             raise KVPolicyConfigError(
                 f"kv_policy_config key 'anchors' = {list(self.anchors)} names layer {max(self.anchors)}, but "
-                f"the model has layers 0..{num_layers - 1}"
+                f"{where} 0..{compressed - 1}", "anchors"
             )
 
 

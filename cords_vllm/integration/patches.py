@@ -122,6 +122,11 @@ WORKER: tuple[Entry, ...] = (
           why="the KV connector's worker hook runs before new block ids are appended and cannot edit rows: "
               "carry out the plans after the step's block ids are applied and before the forward",
           upstream="patches/0003-model-runner-kv-compactor-hook.patch"),
+    Patch("vllm.v1.worker.gpu_model_runner:GPUModelRunner.get_kv_cache_spec", ("self",),
+          worker.make_get_kv_cache_spec,
+          why="vLLM groups layers by KV cache spec type and has no setting to put some full-attention layers in a "
+              "group of their own: under layer-selective compression (compressed_layers), give the compressed "
+              "layers a spec type that shares no group, so they get their own block rows beside the whole layers'"),
     Patch("vllm.v1.worker.gpu_model_runner:GPUModelRunner._init_mrope_positions", ("self", "req_state"),
           worker.make_init_mrope_positions,
           why="vLLM recomputes a session's M-RoPE positions for its whole prompt at every turn, from token indices: "

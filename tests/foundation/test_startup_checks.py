@@ -197,6 +197,28 @@ def test_a_pool_smaller_than_one_footprint_names_the_footprints_parts(tiny_model
         make_llm(tiny_model, max_model_len=16384, kv_cache_memory_bytes=1 * mib)
 
 
+def test_layer_selective_pool_holds_a_whole_request_in_its_whole_layers(tiny_model):
+    """The layers kept whole need one max-model-len request: a pool that holds every layer's footprint is too small
+    once half the layers are whole, and the message says why."""
+    mib = 1 << 20
+    policy = {"budget": 512, "max_text_tokens": 1024}
+    make_llm(tiny_model, max_model_len=16384, kv_cache_memory_bytes=8 * mib, **kv_policy_args("cords", **policy))
+    with pytest.raises(ValueError, match=r"compressed_layers \(2\) are kept whole.*16384 tokens"):
+        make_llm(tiny_model, max_model_len=16384, kv_cache_memory_bytes=8 * mib,
+                 **kv_policy_args("cords", compressed_layers=2, **policy))
+    make_llm(tiny_model, max_model_len=2048, kv_cache_memory_bytes=8 * mib,
+             **kv_policy_args("cords", compressed_layers=2, **policy))
+
+
+def test_layer_selective_is_refused_on_hybrid_models_and_pipelines():
+    policy = KVPolicyConfig.parse("cords", {"budget": 256, "compressed_layers": 2})
+    check_engine(policy, FACTS)
+    for facts, where in ((EngineFacts("m", 4, 4096, True, hybrid=True), "hybrid"),
+                         (EngineFacts("m", 4, 4096, True, stages=(range(0, 2), range(2, 4))), "pipeline")):
+        with pytest.raises(KVPolicyConfigError, match=f"'compressed_layers'.*{where}"):
+            check_engine(policy, facts)
+
+
 def test_a_runner_the_worker_hooks_do_not_reach_is_refused_on_the_runner_built():
     """Whatever selected it, a worker that built anything but vLLM's V1 runner (or a subclass) refuses to allocate
     its KV cache under a policy; under ``none`` it serves."""

@@ -129,11 +129,15 @@ def make_max_memory_usage(original: Callable) -> Callable:
         groups = [g for g in kv_cache_groups if not getattr(g, "host_resident", False)]
         if not groups:
             return 0
+        from cords_vllm.integration.engine_facts import whole_group_indices
+
         max_len = vllm_config.model_config.max_model_len
+        whole = set(whole_group_indices([g.kv_cache_spec for g in groups]))  # layer-selective: need max-model-len
         blocks = 0
-        for group in groups:
+        for index, group in enumerate(groups):
             bs = group.kv_cache_spec.block_size
-            blocks += min(policy.stream_footprint_blocks(max_len, bs), cdiv(max_len, bs))
+            full = cdiv(max_len, bs)
+            blocks += full if index in whole else min(policy.stream_footprint_blocks(max_len, bs), full)
         from vllm.v1.core import kv_cache_utils  # the module this wrapper patches: imported already
 
         return kv_cache_utils._pool_bytes_per_block(vllm_config, groups) * blocks
@@ -171,13 +175,17 @@ def footprint_message(policy: KVPolicyConfig, max_model_len: int, block_size: in
     settings = policy.budget_settings
     blocks = policy.stream_footprint_blocks(max_model_len, block_size)
     gib = 1 << 30
+    whole = ("" if policy.compressed_layers is None else
+             f" Here the layers above compressed_layers ({policy.compressed_layers}) are kept whole, and each holds a "
+             f"whole --max-model-len request ({max_model_len} tokens) besides: lower --max-model-len, or compress more "
+             "layers.")
     return (f"--kv-policy {policy.policy}: one request's bounded footprint does not fit the KV cache: {blocks} blocks "
             f"of {block_size} tokens ({needed / gib:.3f} GiB; text max_text_tokens={text} + budget="
             f"{settings.budget} + slack={settings.slack} + 2 blocks) against {available / gib:.3f} GiB available. "
             f"Lower kv_policy_config 'max_text_tokens' (the protected text one request may hold; default "
             f"min(max-model-len, 8192)), 'budget' or 'slack' in --kv-policy-config, or give the KV cache more "
             f"memory (--gpu-memory-utilization, --kv-cache-memory-bytes). --max-model-len does not change the "
-            f"footprint beyond capping max_text_tokens.")
+            f"footprint beyond capping max_text_tokens.{whole}")
 
 
 def make_update_request_as_session(original: Callable) -> Callable:

@@ -56,7 +56,8 @@ class HeldKVObserver:
         for req_id in output.num_scheduled_tokens:
             row = rows.get(req_id)
             if row:
-                peak = max(peak, non_null_blocks(row, self._state(req_id)))
+                whole = comp.whole_blocks(req_id) if comp is not None else 0
+                peak = max(peak, non_null_blocks(row, self._state(req_id)) + whole)
         if peak > self.peak:
             self.peak = peak
             self.publisher.raise_to(**{PEAK: peak})

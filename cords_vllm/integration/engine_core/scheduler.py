@@ -37,9 +37,15 @@ from cords_vllm.config import KVPolicyConfig, KVPolicyConfigError
 from cords_vllm.integration.engine_core.rebase import remove_range
 from cords_vllm.integration.engine_core.requests import positions_after
 from cords_vllm.integration.engine_core.tracker import RequestCompression, RequestTracker, non_null_blocks
-from cords_vllm.integration.engine_facts import attention_manager, model_facts_of
+from cords_vllm.integration.engine_facts import (
+    attention_manager,
+    check_layer_groups,
+    model_facts_of,
+    whole_group_indices,
+)
 from cords_vllm.integration.plans import attach_plans
 from cords_vllm.integration.published import Publisher
+from cords_vllm.utils import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +69,12 @@ class SchedulerCompressor:
     def __init__(self, config: KVPolicyConfig, scheduler: Any, publisher: Publisher) -> None:
         self.config = config
         kvm = scheduler.kv_cache_manager
+        check_layer_groups(scheduler.kv_cache_config.kv_cache_groups, config)
         self.manager = attention_manager(kvm, config)
+        managers = kvm.coordinator.single_type_managers
+        #: Layer-selective compression: the managers of the full-attention groups kept whole (empty otherwise).
+        self.whole_managers = [managers[i] for i in whole_group_indices([m.kv_cache_spec for m in managers])]
+        self.requests = scheduler.requests
         self.pool = kvm.block_pool
         if self.pool.enable_caching:
             raise RuntimeError("--kv-policy needs prefix caching off (the plugin turns it off at start-up)")
@@ -134,6 +145,10 @@ class SchedulerCompressor:
                     f"({self.text_limit})")
         if isinstance(invalid := tracker.narrowed(request, self.config), KVPolicyConfigError):
             return str(invalid)
+        if self.whole_managers and getattr(request, "resumable", False):
+            return ("it is a live stream, and this server keeps its upper layers whole (kv_policy_config key "
+                    "'compressed_layers'), where a stream's KV would grow without bound; serve streams with every "
+                    "layer compressed")
         return self._position_reason(request, tracker)
 
     # ------------------------------------------------------------------------------------------------
@@ -247,7 +262,15 @@ class SchedulerCompressor:
             tracker = self.trackers.get(req_id)
             if tracker is not None and (footprint := tracker.known_footprint) is not None:
                 reserve += max(0, footprint - non_null_blocks(row, tracker.state))
+                if self.whole_managers and (admitted := self.requests.get(req_id)) is not None:
+                    # the whole layers' rows grow to the whole prompt
+                    prompt = cdiv(admitted.num_prompt_tokens, self.block_size)
+                    reserve += sum(max(0, prompt - len(m.req_to_blocks.get(req_id, ()))) for m in self.whole_managers)
         return reserve
+
+    def whole_blocks(self, req_id: str) -> int:
+        """Blocks a request holds in the groups kept whole (layer-selective compression; 0 otherwise)."""
+        return sum(len(m.req_to_blocks.get(req_id, ())) for m in self.whole_managers)
 
     def describe(self, request: Any, row: list) -> RequestCompression:
         """What ``request`` holds now (``row``: its row of blocks)."""

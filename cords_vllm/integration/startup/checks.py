@@ -131,12 +131,31 @@ def check_engine(policy: KVPolicyConfig, facts: EngineFacts) -> None:
         return
     check_attention(policy.policy, facts.model, facts.sliding_window, facts.attention_free, facts.hybrid,
                     hybrid_checked=_on_cpu())
-    policy.check_model(facts.num_layers)  # anchors
+    policy.check_model(facts.num_layers)  # anchors, compressed_layers
+    check_layer_scope(policy, facts.hybrid, len(facts.stages))
     check_budget(policy.budget, policy.slack, facts.max_model_len)
     check_granularity(policy.granularity, facts.uses_mrope, facts.model)
     check_frame_lengths(policy.policy, facts.uses_mrope, facts.model)
     check_engine_settings(policy.policy, facts.ubatching, facts.runner_v2, facts.unhooked)
     check_kv_dtype(policy.policy, facts.kv_cache_dtype)
+
+
+def check_layer_scope(policy: KVPolicyConfig, hybrid: bool, num_stages: int) -> None:
+    """Refuse layer-selective compression (``compressed_layers``) where its two KV cache groups are not checked:
+    beside a hybrid model's state groups (vLLM's page-size unification of three kinds) and under pipeline
+    parallelism (vLLM groups the layers of every stage together, so a stage may hold none of the compressed
+    group's layers). Both run with every layer compressed."""
+    if policy.compressed_layers is None:
+        return
+    if hybrid:
+        where = "a hybrid model (attention beside Gated DeltaNet / Mamba state layers)"
+    elif num_stages > 1:
+        where = f"pipeline parallelism ({num_stages} stages)"
+    else:
+        return
+    raise KVPolicyConfigError(f"--kv-policy {policy.policy}: kv_policy_config key 'compressed_layers' (layer-selective "
+                              f"compression) is not supported on {where}; leave it out to compress every layer",
+                              "compressed_layers")
 
 
 def check_kv_dtype(policy: str, kv_cache_dtype: str) -> None:

@@ -29,6 +29,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from cords_vllm.compress.layer_scope import describe as describe_layer_scope
 from cords_vllm.config import (
     ADDITIONAL_CONFIG_CONFIG,
     ADDITIONAL_CONFIG_POLICY,
@@ -160,6 +161,8 @@ def checked_engine_config(engine_args: Any, create: Callable[..., Any], *args: A
         check_engine(policy, facts)
         if (change := pipeline_change(policy, facts.stages)) is not None:
             changes.append(change)
+        if policy.layer_selective(facts.num_layers):
+            changes.append(describe_layer_scope(policy.compressed_layers, facts.num_layers))
         logger.info("%s", startup_line(policy, changes))
     return vllm_config
 

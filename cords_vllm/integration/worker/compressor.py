@@ -50,7 +50,7 @@ from cords_vllm.compress.transfer import upload
 from cords_vllm.compress.unit_choice import AUTO, compression_unit
 from cords_vllm.config import KVPolicyConfig
 from cords_vllm.integration import failures
-from cords_vllm.integration.engine_facts import attention_group_index, model_facts_of
+from cords_vllm.integration.engine_facts import attention_group_index, check_layer_groups, model_facts_of
 from cords_vllm.integration.plans import plans_of
 from cords_vllm.integration.published import PUBLISH_INTERVAL_S, Publisher
 from cords_vllm.integration.worker.cpu_layout import accessor_for_layer, codec_for_layer, kv_cache_dtype_of
@@ -123,6 +123,7 @@ class WorkerCompressor:
     def __init__(self, config: KVPolicyConfig, runner: Any) -> None:
         self.config = config
         groups = runner.kv_cache_config.kv_cache_groups
+        check_layer_groups(groups, config)
         #: The KV cache group compressed (a hybrid model's state groups are left alone).
         self.group_index = attention_group_index([g.kv_cache_spec for g in groups], config)
         names = sorted(groups[self.group_index].layer_names, key=_layer_index)

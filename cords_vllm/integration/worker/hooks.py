@@ -101,6 +101,19 @@ def make_prepare_inputs(original: Callable) -> Callable:
     return _prepare_inputs
 
 
+def make_get_kv_cache_spec(original: Callable) -> Callable:
+    def get_kv_cache_spec(self):
+        specs = original(self)
+        policy = KVPolicyConfig.from_vllm_config(self.vllm_config)
+        if policy.enabled and policy.compressed_layers is not None:
+            from cords_vllm.integration.kv_groups import full_attention_layers, mark_compressed_layers
+
+            if policy.layer_selective(full_attention_layers(specs)):
+                specs = mark_compressed_layers(specs, policy.compressed_layers)
+        return specs
+    return get_kv_cache_spec
+
+
 def make_build_metadata(original: Callable) -> Callable:
     def build_metadata(self, common_attn_metadata, *args, **kwargs):
         owner = _GROUP_OWNER.get(self)

@@ -35,13 +35,16 @@ def stage_anchors(config: KVPolicyConfig, vllm_config: Any, decoder_layers: Sequ
     position among them of the anchor it follows.
 
     Raises :class:`~cords_vllm.compress.pipeline.PipelineAnchorError` when the worker holds other layers than
-    vLLM's layout gives its stage, and ``KVPolicyConfigError`` when ``anchors`` names a layer the model lacks.
+    vLLM's layout gives its stage (its compressed layers under layer-selective compression), and
+    ``KVPolicyConfigError`` when ``anchors`` names a layer the model lacks.
     """
     from vllm.distributed import get_pp_group
 
     stages = attention_stages_of(vllm_config)
     rank = get_pp_group().rank_in_group if len(stages) > 1 else 0
     stage, total = stages[rank], stages[-1].stop
+    if config.layer_selective(total):  # the worker holds the compressed layers only (never under pipelines)
+        stage = range(stage.start, min(stage.stop, config.compressed_layers))
     mc = vllm_config.model_config
     types = getattr(mc.hf_text_config, "layer_types", None)
     held = attention_ordinals(decoder_layers, types if mc.is_hybrid and types else None)

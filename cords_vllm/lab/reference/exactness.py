@@ -48,10 +48,18 @@ def chunks_for(prompt_len: int, evictions: Iterable[int]) -> list[int]:
     return [b - a for a, b in itertools.pairwise(bounds) if b > a]
 
 
-def evictions_of(events: Iterable[Any], req_prefix: str = "") -> dict[int, Sequence[Any]]:
+def evictions_of(events: Iterable[Any], req_prefix: str = "", num_layers: int | None = None
+                 ) -> dict[int, Sequence[Any]]:
     """``{at_token: kept_logical}`` of the engine's compression events of the requests whose id starts with
-    ``req_prefix`` (the form :meth:`HFQwen2VLReference.run` takes as ``evictions``)."""
-    return {e.at_token: e.kept_logical for e in events if e.req_id.startswith(req_prefix)}
+    ``req_prefix`` (the form :meth:`HFQwen2VLReference.run` takes as ``evictions``). With ``num_layers`` (the
+    model's attention layers), layers the events do not name (the upper layers under layer-selective compression)
+    are kept whole (``None``)."""
+    out = {}
+    for e in events:
+        if e.req_id.startswith(req_prefix):
+            kept = list(e.kept_logical)
+            out[e.at_token] = kept + [None] * ((num_layers or len(kept)) - len(kept))
+    return out
 
 
 @dataclass(frozen=True)

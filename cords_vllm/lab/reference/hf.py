@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -98,13 +99,16 @@ def evict(cache, held: list[torch.Tensor], keep_per_layer: Sequence[torch.Tensor
     layer ``i``) of an HF ``DynamicCache``.
 
     ``held[i]`` is ``long [H, T]``: the logical id of each entry of that layer's cache (``keys`` ``[1, H, T, D]``),
-    per KV head, in cache order; both are gathered in place to the kept ids, in the order given.
+    per KV head, in cache order; both are gathered in place to the kept ids, in the order given. A ``None`` entry
+    keeps its layer whole (layer-selective compression).
     """
     if len(keep_per_layer) != len(held):
         raise ValueError(f"eviction needs one keep tensor per attention layer ({len(held)}), got "
                          f"{len(keep_per_layer)}")
     layers = list(range(len(held))) if layers is None else list(layers)
     for slot, (layer, keep) in enumerate(zip(layers, keep_per_layer, strict=True)):
+        if keep is None:
+            continue
         ids = held[slot]
         keep = torch.as_tensor(keep, dtype=torch.long)
         keep = keep.expand(ids.shape[0], -1) if keep.dim() == 1 else keep
@@ -264,22 +268,35 @@ class HFReference:
             ``{chunk_start: per_layer_keep}`` applied right before the chunk starting at logical token
             ``chunk_start``; ``per_layer_keep[l]`` is an int64 tensor of logical token ids to keep in attention
             layer ``l`` (a hybrid model's recurrent-state layers are not counted), either ``[n_keep]`` (all heads)
-            or ``[H, n_keep]`` (per KV head). Ids not currently held are an error.
+            or ``[H, n_keep]`` (per KV head), or ``None`` to keep the layer whole (layer-selective compression:
+            the layers then hold different lengths, and each gets its own causal mask). Ids not currently held
+            are an error.
         forced_tokens:
             Teacher-forced continuation (e.g. the engine's output); default: the reference's own greedy
             tokens.
         """
         enc = self.encoded(prompt, video, images=images)
-        emb, pos, delta = enc.embeds, enc.positions, enc.delta
-        length = int(enc.ids.numel())
-        chunks, evictions = check_chunks(length, chunk_sizes, evictions)
+        chunks, evictions = check_chunks(int(enc.ids.numel()), chunk_sizes, evictions)
 
         from transformers import DynamicCache
 
+        cache = DynamicCache(config=self.config.text_config)
+        uneven = any(keep is None for per_layer in evictions.values() for keep in per_layer)
+        hooks = self._layer_masks(cache) if uneven else []
+        try:
+            return self._generate(enc, cache, chunks, evictions, max_new_tokens, forced_tokens)
+        finally:
+            for hook in hooks:
+                hook.remove()
+
+    def _generate(self, enc: Encoded, cache: Any, chunks: Sequence[int],
+                  evictions: Mapping[int, Sequence[torch.Tensor | None]], max_new_tokens: int,
+                  forced_tokens: Sequence[int] | None) -> ReferenceResult:
+        """:meth:`run`'s prefill and decode on an empty ``cache``."""
+        emb, pos, delta = enc.embeds, enc.positions, enc.delta
+        length = int(enc.ids.numel())
         lm = self.model.model.language_model
-        text = self.config.text_config
-        cache = DynamicCache(config=text)
-        num_kv = text.num_key_value_heads
+        num_kv = self.config.text_config.num_key_value_heads
         held = [torch.empty(num_kv, 0, dtype=torch.long) for _ in self.attention_layers]
         logits: list[torch.Tensor] = []
         start = 0
@@ -314,6 +331,22 @@ class HFReference:
         first = int(enc.visual[:start].sum())
         rows = slice(first, first + int(mask.sum()))
         return {"visual_pos_masks": mask[None], "deepstack_visual_embeds": [d[rows] for d in enc.deepstack]}
+
+    def _layer_masks(self, cache: Any) -> list[Any]:
+        """Forward pre-hooks giving each attention layer the causal mask of its own cache length, for layers that
+        hold different lengths (layer-selective evictions); transformers builds one mask from layer 0's length.
+        Returns the hook handles (remove them after the run)."""
+        if len(self.attention_layers) != self.config.text_config.num_hidden_layers:
+            raise NotImplementedError("per-layer evictions that keep some layers whole need a non-hybrid model")
+        handles = []
+        for index, layer in enumerate(self.model.model.language_model.layers):
+            def hook(module, args, kwargs, index=index):
+                n = kwargs["hidden_states"].shape[1]
+                past = cache.get_seq_length(index)
+                kwargs["attention_mask"] = torch.ones(n, past + n, dtype=torch.bool).tril(diagonal=past)[None, None]
+                return args, kwargs
+            handles.append(layer.self_attn.register_forward_pre_hook(hook, with_kwargs=True))
+        return handles
 
     def _hybrid_mask(self, n: int, held: int) -> dict:
         """A hybrid model's masks for ``n`` new tokens after ``held`` cached ones (none for other models).

@@ -95,6 +95,13 @@ class StreamsPlugin:
                                   turn_tokens=turn_counter(encode, facts, vllm_config, tokenizer),
                                   ledger=ledger)
         registry.unsupported, registry.markup = facts.streams_unsupported, facts.chat_markup
+        if policy.enabled and policy.compressed_layers is not None and registry.unsupported is None:
+            layers = vllm_config.model_config.get_total_num_hidden_layers()
+            if policy.layer_selective(layers):
+                registry.unsupported = (
+                    f"this server keeps attention layers {policy.compressed_layers}..{layers - 1} whole "
+                    f"(kv_policy_config key 'compressed_layers'), where a live stream's KV would grow without bound; "
+                    "serve streams with every layer compressed (leave compressed_layers out)")
         registry.control_texts = control_texts(tokenizer)
         setattr(state, STATE_KEY, registry)
         if count > 1:
