@@ -25,7 +25,7 @@ from cords_vllm.lab.synthetic import jpeg_frames_data_url
 from cords_vllm.lab.vqa import make_split, shipped_checkpoint
 from cords_vllm.lab.vqa.prompt import chat_messages
 
-pytestmark = [pytest.mark.server,  # about a minute on 2 cores, most of it the two servers starting
+pytestmark = [pytest.mark.server, pytest.mark.slow,  # about a minute on 2 cores, most of it the two servers starting
               pytest.mark.skipif(router_executable() is None,
                                  reason="vllm-router is not installed (pip install 'cords-vllm[router]')")]
 

@@ -31,7 +31,7 @@ from tests.streams.test_stream_api import pool_empty, wait_until
 
 CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
 
-pytestmark = [pytest.mark.server,
+pytestmark = [pytest.mark.server, pytest.mark.slow,  # about two minutes on 2 cores, most of it two engines starting
               pytest.mark.skipif(len(CORES) < 2, reason="two engines on CPU need two cores (one each)")]
 
 BLOCK = 32
