@@ -31,7 +31,9 @@ ARGS = ["--kv-policy", "cords", "--kv-policy-config",
         "--kv-cache-memory-bytes", str(48 << 20), "--limit-mm-per-prompt", '{"image": 8, "video": 1}']
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+# Qwen2.5-VL's live stream over HTTP in -m slow (make test-slow; its engine session is checked in the default suite by
+# tests/engine/test_families.py): keeps the default suite under 20 minutes
+@pytest.fixture(scope="module", params=[pytest.param("qwen2_5_vl", marks=pytest.mark.slow), "qwen3_vl"])
 def server(request):
     path = build_tiny_model(TinyModelSpec(family=request.param, dtype="float32"))
     with VLLMServer(str(path), ARGS) as srv:

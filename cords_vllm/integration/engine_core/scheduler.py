@@ -14,6 +14,11 @@ candidates, the reservation is capped at its compressed footprint
 (:func:`~cords_vllm.compress.plan.compressed_footprint_blocks`), so prompts whose full length would not
 fit are admitted when their compressed form does.
 
+Layer-selective compression (``compressed_layers``): the plans compress the compressed layers' KV cache group only;
+the groups kept whole grow with the request as under ``none``, so admission also keeps free what the admitted
+requests' whole rows still take to their prompt's end, and live streams are refused (their whole rows would grow
+without bound).
+
 Streaming sessions: when a session's next turn arrives, the evicted part of its region leaves the request
 (:mod:`cords_vllm.integration.engine_core.rebase`) and a :class:`~cords_vllm.compress.plan.RebasePlan` tells
 the workers; the scheduler counts the session's rotary positions as its turns arrive and ends it, with a
