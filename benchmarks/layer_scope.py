@@ -140,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     stem = args.results.stem
     (out / f"{stem}_layer_scope.md").write_text(text + "\n")
     full = next(r for r in results["runs"] if r["fraction"] is None)["report"]["overall"]
-    plot(data, full, out / f"{stem}_accuracy_vs_kv.png", f"layer scope: {results['frames']} frames, {results['split']} questions")
+    title = f"layer scope: {results['frames']} frames, {results['split']} questions"
+    plot(data, full, out / f"{stem}_accuracy_vs_kv.png", title)
     print(f"wrote {out / f'{stem}_layer_scope.md'} and {out / f'{stem}_accuracy_vs_kv.png'}")
     return 0
 
