@@ -19,7 +19,8 @@
 5. **none = plain vLLM** and **cords = none**, per backend: the videos shorter than the budget get the same
    greedy tokens, log-probabilities within bf16 noise (:data:`LOGPROB_TOL`);
 6. **HF exactness**: the compressed engine (in-process, fp32) equals the HF reference that drops the same
-   tokens (:mod:`cords_vllm.lab.reference.exactness`);
+   tokens (:mod:`cords_vllm.lab.reference.exactness`), with every layer compressed and with layer-selective
+   compression (layers 0-1 of the tiny model's 4; the reference keeps the others whole);
 7. **CUDA-gated tests**: pytest on ``tests/compress`` and every test file skipped without CUDA.
 8. **compress-step benchmark**: ``benchmarks/compress_step.py``, the Triton kernels against the PyTorch path and
    the copy floor at a 7B model's shape (the kept tokens must be the same; the speed targets are reported).
@@ -527,14 +528,17 @@ def build_model() -> str:
     return str(build_tiny_qwen2vl(TinyModelSpec(dtype="bfloat16")))
 
 
-def exactness_row(model_dir: str, out: Path) -> Row:
-    """Run :mod:`cords_vllm.lab.reference.exactness` in its own process (it builds an in-process engine)."""
+def exactness_row(model_dir: str, out: Path, compressed_layers: int | None = None) -> Row:
+    """Run :mod:`cords_vllm.lab.reference.exactness` in its own process (it builds an in-process engine);
+    ``compressed_layers``: the layer-selective form (the lowest layers compressed, the others whole)."""
 
     def check() -> str:
         env = {**_python_env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "CORDS_VLLM_TRACE": "1"}
-        proc = subprocess.run([sys.executable, "-m", "cords_vllm.lab.reference.exactness", model_dir, "--json"],
+        scope = [] if compressed_layers is None else ["--compressed-layers", str(compressed_layers)]
+        proc = subprocess.run([sys.executable, "-m", "cords_vllm.lab.reference.exactness", model_dir, "--json", *scope],
                               cwd=REPO, env=env, capture_output=True, text=True, timeout=1800, check=False)
-        (out / "exactness.log").write_text(proc.stdout + proc.stderr)
+        log = "exactness.log" if compressed_layers is None else f"exactness_layers_{compressed_layers}.log"
+        (out / log).write_text(proc.stdout + proc.stderr)
         lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
         if not lines:
             raise Fail(f"exit status {proc.returncode}: {first_error(proc.stderr)}")
@@ -543,7 +547,9 @@ def exactness_row(model_dir: str, out: Path) -> Row:
             raise Fail(result["summary"])
         return result["summary"]
 
-    return timed("HF exactness (fp32, compressed engine = HF reference)", check)
+    if compressed_layers is None:
+        return timed("HF exactness (fp32, compressed engine = HF reference)", check)
+    return timed(f"HF exactness, layers 0..{compressed_layers - 1} compressed, the others whole", check)
 
 
 def cuda_gated_tests(root: Path = REPO) -> list[str]:
@@ -720,12 +726,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
         servers = [pool.submit(run_server, spec, model[0], workload, args.out, env)
                    for spec, env in zip(specs, envs, strict=True)]
-        exact = pool.submit(exactness_row, model[0], args.out)
+        exact = [pool.submit(exactness_row, model[0], args.out, layers) for layers in (None, 2)]
         runs = [_result(f, spec) for f, spec in zip(servers, specs, strict=True)]
         for run in runs:
             rows.extend(run.rows)
         rows.extend(comparison_rows(runs))
-        rows.append(exact.result())
+        rows.extend(f.result() for f in exact)
     rows.append(pytest_row(args.cpu, args.out))
     rows.append(compress_step_row(args.cpu, args.out))
     return report(rows, args, started)

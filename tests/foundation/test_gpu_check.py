@@ -29,6 +29,7 @@ REQUIRED = [
     "answers: none bf16 = plain vLLM bf16 (the plugin loaded, no policy)",
     "answers: cords bf16 = none bf16 (videos under the budget)",
     "HF exactness (fp32, compressed engine = HF reference)",
+    "HF exactness, layers 0..1 compressed, the others whole",
     "CUDA-gated tests (pytest)",
     "compress-step benchmark (kernels vs PyTorch)",
 ]

@@ -121,13 +121,15 @@ def _gap(engine_logprobs: Sequence[dict[int, float]], reference_logits: Any) -> 
 
 def compressed_engine_vs_reference(model_dir: str, *, frames: int = 48, budget: int = 256, slack: int = 64,
                                    max_tokens: int = 6, tolerance: float | None = None,
+                                   compressed_layers: int | None = None,
                                    engine_kwargs: dict[str, Any] | None = None) -> ExactnessResult:
     """Run the compressed engine on one synthetic video and compare it with the reference (both fp32).
 
     The engine is built by :func:`~cords_vllm.integration.inprocess.llm.make_llm` (fp32, eager, in-process)
     with 32-token blocks and 256-token prefill chunks, so the prompt is compressed several times;
     ``engine_kwargs`` override any of it. Needs ``CORDS_VLLM_TRACE=1`` (set here when absent) before the engine
-    is built, so the workers record what they kept.
+    is built, so the workers record what they kept. ``compressed_layers``: layer-selective compression (the
+    reference keeps the layers above whole).
     """
     os.environ.setdefault("CORDS_VLLM_TRACE", "1")
     import gc
@@ -144,7 +146,9 @@ def compressed_engine_vs_reference(model_dir: str, *, frames: int = 48, budget: 
     prompt = PROMPT.format(question=QUESTION)
     video = make_video(frames, 224, 224, seed=3).frames
     kwargs = {"block_size": 32, "max_num_batched_tokens": 4096, "max_num_scheduled_tokens": 256,
-              **kv_policy_args("cords", budget=budget, slack=slack), **(engine_kwargs or {})}
+              **kv_policy_args("cords", budget=budget, slack=slack,
+                               **({} if compressed_layers is None else {"compressed_layers": compressed_layers})),
+              **(engine_kwargs or {})}
     llm = make_llm(model_dir, **kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=20)
     (out,) = llm.generate([{"prompt": prompt, "multi_modal_data": {"video": video}}], params, use_tqdm=False)
@@ -156,7 +160,7 @@ def compressed_engine_vs_reference(model_dir: str, *, frames: int = 48, budget: 
     gc.collect()
 
     reference = HFQwen2VLReference(model_dir)
-    evictions = evictions_of(events)
+    evictions = evictions_of(events, num_layers=len(reference.attention_layers))
     ref = reference.run(prompt, video, max_new_tokens=max_tokens, chunk_sizes=chunks_for(prompt_len, evictions),
                         evictions=evictions, forced_tokens=tokens)
     control = reference.run(prompt, video, max_new_tokens=max_tokens, forced_tokens=tokens)
@@ -173,10 +177,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--frames", type=int, default=48, help="frames of the synthetic video (default: %(default)s)")
     parser.add_argument("--tolerance", type=float, default=None,
                         help=f"log-prob bound (default: {TOLERANCE} on CPU, {CUDA_TOLERANCE} on a CUDA GPU)")
+    parser.add_argument("--compressed-layers", type=int, default=None,
+                        help="layer-selective compression: compress the lowest N layers, keep the others whole")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON line")
     args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    result = compressed_engine_vs_reference(args.model, frames=args.frames, tolerance=args.tolerance)
+    result = compressed_engine_vs_reference(args.model, frames=args.frames, tolerance=args.tolerance,
+                                            compressed_layers=args.compressed_layers)
     if args.json:
         print(json.dumps({**asdict(result), "passed": result.passed, "summary": result.summary()}))
     else:
