@@ -60,7 +60,7 @@ def test_cpu_mode_passes_every_step_and_prints_one_table(tmp_path):
              if r["result"] != (SKIP if step in CPU_SKIPS else PASS)}
     assert wrong == {}
     assert proc.returncode == 0 and summary["failed"] == 0
-    assert proc.stdout.count("step ") == 1 and "0 failed" in proc.stdout  # one table, on stdout
+    assert proc.stdout.count("\nstep ") == 1 and "0 failed" in proc.stdout  # one table (its header line), on stdout
     assert "cudagraph NONE, kv fp8" in rows["cords bf16 + fp8 KV: serve"]["detail"]
     assert sorted(p.name for p in tmp_path.glob("serve-*.log")) == [
         "serve-cords-bf16-fp8-kv.log", "serve-cords-bf16.log", "serve-none-bf16.log", "serve-plain-vllm-bf16.log"]
