@@ -23,6 +23,7 @@ from typing import Any
 
 from cords_vllm.compress.layer_scope import kv_cache_layout
 from cords_vllm.lab.bench.paired import mcnemar_exact, wilson_interval
+from cords_vllm.lab.vqa.metrics import answer_hits
 
 BASE = "cords"
 
@@ -56,15 +57,15 @@ def questions(results: dict[str, Any]) -> list[Any]:
 
 def rows(results: dict[str, Any], layers: int) -> list[dict[str, Any]]:
     """One row per ``cords`` run: label, budget fraction, hits, KV share and the paired test against ``cords``."""
-    truth = [e.answer for e in questions(results)]
+    examples = questions(results)
     full = next(r for r in results["runs"] if r["fraction"] is None)
     video = float(full["effective_video_tokens"])
     runs = [r for r in results["runs"] if r["policy"] == BASE and r["fraction"] is not None]
     base = {r["fraction"]: r for r in runs if r["label"] == BASE}
     out = []
     for run in runs:
-        hits = [p == t for p, t in zip(run["predictions"], truth, strict=True)]
-        reference = [p == t for p, t in zip(base[run["fraction"]]["predictions"], truth, strict=True)]
+        hits = answer_hits(examples, run["predictions"])
+        reference = answer_hits(examples, base[run["fraction"]]["predictions"])
         layout = kv_cache_layout(compressed_layers(run, layers), layers)
         share = layout.layer_tokens(run["effective_video_tokens"], video) / (layers * video)
         out.append({"label": run["label"], "fraction": run["fraction"], "compressed": layout.compressed,

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
 from cords_vllm.compress.pipeline import attention_stages
 from cords_vllm.config import KVPolicyConfig
 from cords_vllm.model_facts import ModelFacts
+
+
+def decoder_layer_index(name: str) -> int:
+    """The decoder layer index in an attention layer's name (``model.layers.3.self_attn.attn`` -> 3)."""
+    match = re.search(r"\.layers\.(\d+)\.", name)
+    if match is None:
+        raise ValueError(f"cannot find the decoder layer index in attention layer name {name!r}")
+    return int(match.group(1))
 
 
 def model_facts_of(vllm_config: Any) -> ModelFacts:
@@ -89,7 +98,7 @@ def check_layer_groups(groups: Sequence[Any], config: KVPolicyConfig) -> None:
         return
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from cords_vllm.integration.kv_groups import decoder_layer_index, is_compressed
+    from cords_vllm.integration.kv_groups import is_compressed
 
     attention = [n for g in groups if isinstance(g.kv_cache_spec, FullAttentionSpec) for n in g.layer_names]
     if not config.layer_selective(len(attention)):

@@ -20,11 +20,12 @@ checks the groups it gets (:func:`~cords_vllm.integration.engine_facts.check_lay
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Mapping
 from typing import Any
 
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
+
+from cords_vllm.integration.engine_facts import decoder_layer_index
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -40,14 +41,6 @@ class CompressedAttentionSpec(FullAttentionSpec):
         if not all(isinstance(spec, CompressedAttentionSpec) for spec in specs):
             raise AssertionError("compressed and whole attention layers cannot share a KV cache group")
         return super().merge(specs)
-
-
-def decoder_layer_index(name: str) -> int:
-    """The decoder layer index in an attention layer's name (``model.layers.3.self_attn.attn`` -> 3)."""
-    match = re.search(r"\.layers\.(\d+)\.", name)
-    if match is None:
-        raise ValueError(f"cannot find the decoder layer index in attention layer name {name!r}")
-    return int(match.group(1))
 
 
 def mark_compressed_layers(specs: Mapping[str, KVCacheSpec], compressed: int) -> dict[str, KVCacheSpec]:

@@ -32,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,7 +49,12 @@ from cords_vllm.compress.transfer import upload
 from cords_vllm.compress.unit_choice import AUTO, compression_unit
 from cords_vllm.config import KVPolicyConfig
 from cords_vllm.integration import failures
-from cords_vllm.integration.engine_facts import attention_group_index, check_layer_groups, model_facts_of
+from cords_vllm.integration.engine_facts import (
+    attention_group_index,
+    check_layer_groups,
+    decoder_layer_index,
+    model_facts_of,
+)
 from cords_vllm.integration.plans import plans_of
 from cords_vllm.integration.published import PUBLISH_INTERVAL_S, Publisher
 from cords_vllm.integration.worker.cpu_layout import accessor_for_layer, codec_for_layer, kv_cache_dtype_of
@@ -110,13 +114,6 @@ class _Totals:
     events: list[CompressionEvent] = field(default_factory=list)
 
 
-def _layer_index(name: str) -> int:
-    match = re.search(r"\.layers\.(\d+)\.", name)
-    if match is None:
-        raise ValueError(f"cannot find the decoder layer index in attention layer name {name!r}")
-    return int(match.group(1))
-
-
 class WorkerCompressor:
     """Applies compression plans inside one model runner."""
 
@@ -126,11 +123,11 @@ class WorkerCompressor:
         check_layer_groups(groups, config)
         #: The KV cache group compressed (a hybrid model's state groups are left alone).
         self.group_index = attention_group_index([g.kv_cache_spec for g in groups], config)
-        names = sorted(groups[self.group_index].layer_names, key=_layer_index)
+        names = sorted(groups[self.group_index].layer_names, key=decoder_layer_index)
         self.layer_names = names
         #: Each layer's anchor, as a position in ``names``; mapped by the layer's index in the model, so a pipeline
         #: stage's layers follow anchors on the stage (:mod:`cords_vllm.integration.worker.pipeline_parallel`).
-        anchor_of = stage_anchors(config, runner.vllm_config, [_layer_index(n) for n in names])
+        anchor_of = stage_anchors(config, runner.vllm_config, [decoder_layer_index(n) for n in names])
         self.facts = model_facts_of(runner.vllm_config)
         if config.granularity == "frame" and not self.facts.finds_frames:
             raise ValueError(
