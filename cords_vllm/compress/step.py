@@ -315,6 +315,12 @@ def _compress_region(caches: Sequence[torch.Tensor], accessors: Sequence[KVAcces
                      held: Sequence[HeldTokens | None], batch: RegionBatch, setup: SelectionSetup,
                      generator: torch.Generator | None, nonfinite: torch.Tensor | None,
                      codecs: Sequence[KVCodec] | None) -> list[HeldTokens]:
+    if _fused(caches, accessors, codecs, setup):
+        from cords_vllm.compress.step_triton import compress_region_fused
+
+        done = compress_region_fused(caches, held, batch, setup, nonfinite)
+        if done is not None:
+            return done
     heads = accessors[0].num_kv_heads
     # Layers that share a held object (the layers of one anchor, see below) share their region's tokens too.
     tokens_of: dict[int, HeldTokens] = {}
@@ -378,6 +384,18 @@ def move_kept(caches: Sequence[torch.Tensor], accessors: Sequence[KVAccessor], p
             if r == 1:  # single elements: a 1-D gather is faster than one of rows of one
                 rows = rows.view(-1)
             rows.index_copy_(0, to.reshape(-1), rows.index_select(0, source.reshape(-1)))
+
+
+def _fused(caches: Sequence[torch.Tensor], accessors: Sequence[KVAccessor], codecs: Sequence[KVCodec] | None,
+           setup: SelectionSetup) -> bool:
+    """Whether the whole step runs on :mod:`~cords_vllm.compress.step_triton`'s kernels: Triton runs on the caches'
+    device and the policy, caches and setup are ones it covers."""
+    if not use_triton(caches[0].device):
+        return False
+    from cords_vllm.compress.step_triton import covers
+
+    return covers(setup.selector, accessors, caches, codecs, setup.anchors, setup.gather_heads is not None,
+                  setup.selector.needs_observation)
 
 
 def _copy_in_one_launch(caches: Sequence[torch.Tensor], accessors: Sequence[KVAccessor]) -> bool:

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -54,6 +54,9 @@ from cords_vllm.selection.observation import Observation, observed_attention
 from cords_vllm.selection.params import ParamSpec, check_params, hyperparameter, param_specs_of
 from cords_vllm.selection.result import SelectionResult, kept_candidate_count
 from cords_vllm.selection.validation import check_group_index, check_select_inputs
+
+if TYPE_CHECKING:
+    from cords_vllm.selection.cords import GreedyParams
 
 __all__ = [
     "GRANULARITIES",
@@ -223,6 +226,12 @@ class Selector(abc.ABC):
         Returns ``long [P, units.k_max]``: the chosen unit indices in the order chosen, ``-1`` after
         the first ``k[p]`` entries of row ``p``. Break exact ties toward the lowest unit index.
         """
+
+    def greedy_params(self) -> GreedyParams | None:
+        """The greedy D^2 run's constants when this policy is that run as the kernels compute it (CoRDS with its
+        max-cosine novelty in the paper's space, k_only, v_only), so the compress step may run it on its fused
+        kernel path (:mod:`cords_vllm.compress.step_triton`); ``None`` (every other policy): it may not."""
+        return None
 
     def _check_order(self, order: torch.Tensor, units: UnitBatch, on_device: bool = False) -> torch.Tensor:
         """Enforce the exact-count contract on a policy's output; returns the chosen-unit mask ``bool [P, M]``.

@@ -69,6 +69,18 @@ SPACES: tuple[str, ...] = ("paper", "normalized")
 OPS_PER_GREEDY_STEP: dict[str, int] = {"max_cosine": 30, "d2": 22}
 
 
+@dataclass(frozen=True)
+class GreedyParams:
+    """The greedy D^2 run's constants, for a policy the kernels run as it is (see
+    :meth:`~cords_vllm.selection.base.Selector.greedy_params`): the max-cosine novelty (or none, ``lam = 0``) in the
+    space of the raw keys and values."""
+
+    alpha: float
+    eta: float
+    lam: float
+    eps0: float
+
+
 def snap_tolerance(dtype: torch.dtype) -> float:
     """Relative tolerance below which distances, residuals and novelties count as exactly zero."""
     return 1e-12 if dtype == torch.float64 else 1e-4
@@ -655,6 +667,11 @@ class CoRDSSelector(Selector):
     space: str = hyperparameter("paper", choices=SPACES,
                                 help="joint space of the distance: raw keys and values (the paper's), or each "
                                      "divided by its RMS spread over the candidates so alpha weighs the spaces")
+
+    def greedy_params(self) -> GreedyParams | None:
+        if self.space != "paper" or (self.lam > 0.0 and self.novelty != "max_cosine"):
+            return None
+        return GreedyParams(self.alpha, self.eta, self.lam, self.eps0)
 
     def _order_units(self, units: UnitBatch) -> torch.Tensor:
         feats = units.feats if self.space == "paper" else normalized_features(units.feats, units.key_dim,

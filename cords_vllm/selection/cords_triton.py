@@ -38,7 +38,7 @@ from collections.abc import Iterator
 import torch
 
 from cords_vllm.kernel_backend import interpreting
-from cords_vllm.selection.cords import snap_tolerance
+from cords_vllm.selection.cords import GreedyParams, snap_tolerance
 
 logger = logging.getLogger(__name__)
 
@@ -195,14 +195,32 @@ def cords_greedy_triton(feats: torch.Tensor, key_dim: int, valid: torch.Tensor, 
                   f"{GRAM_LIMIT_BYTES >> 30} GiB of Gram matrices)")
         return None
     keys, values = feats[..., :key_dim], feats[..., key_dim:]
-    empty = feats.new_zeros((1,))
-    with _ieee_fp32():
-        gk = torch.bmm(keys, keys.transpose(1, 2)) if need_k else empty
-        gv = torch.bmm(values, values.transpose(1, 2)) if need_v else empty
     kn = torch.linalg.vector_norm(keys, dim=-1) if need_k else feats.new_zeros((p_count, m_units))
     vn = torch.linalg.vector_norm(values, dim=-1) if need_v else kn
     # The reference's seed score (cords._seed): ||k + v||, or the norm of the one space the distance reads.
-    seed = torch.linalg.vector_norm(keys + values, dim=-1) if use_kd and use_vd else (kn if use_kd else vn)
+    seed = torch.linalg.vector_norm(keys + values, dim=-1) if use_kd and use_vd else None
+    return greedy_from_units(feats, key_dim, kn, vn, seed, valid, k, k_max, GreedyParams(alpha, eta, lam, eps0))
+
+
+def greedy_from_units(feats: torch.Tensor, key_dim: int, kn: torch.Tensor, vn: torch.Tensor,
+                      seed: torch.Tensor | None, valid: torch.Tensor, k: torch.Tensor, k_max: int,
+                      params: GreedyParams) -> torch.Tensor:
+    """The Gram matrices and the greedy kernel, on units whose norms are known: ``feats`` ``float32 [P, M, 2 * Dk]``;
+    ``kn`` / ``vn`` / ``seed``: ``float32 [P, M]`` norms of the keys, of the values and of their sum (``seed`` is read
+    only where the distance reads both spaces: ``None`` is allowed elsewhere); ``valid``: ``bool`` or ``int8 [P, M]``;
+    ``k``: ``long [P]``. Returns ``long [P, k_max]``. Three launches (two without the bonus at an endpoint)."""
+    p_count, m_units, _ = feats.shape
+    alpha, eta, lam, eps0 = params.alpha, params.eta, params.lam, params.eps0
+    use_orth = lam > 0.0
+    use_kd, use_vd = alpha > 0.0, alpha < 1.0
+    use_ko, use_vo = use_orth and eta > 0.0, use_orth and eta < 1.0
+    need_k, need_v = use_kd or use_ko, use_vd or use_vo
+    keys, values = feats[..., :key_dim], feats[..., key_dim:]
+    empty = feats.new_zeros((1,)) if not (need_k and need_v) else None
+    with _ieee_fp32():
+        gk = torch.bmm(keys, keys.transpose(1, 2)) if need_k else empty
+        gv = torch.bmm(values, values.transpose(1, 2)) if need_v else empty
+    seed = seed if use_kd and use_vd else (kn if use_kd else vn)
     out = torch.empty((p_count, k_max), dtype=torch.long, device=feats.device)
     tol = snap_tolerance(feats.dtype)
     block = max(16, triton.next_power_of_2(m_units))

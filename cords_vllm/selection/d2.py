@@ -14,7 +14,7 @@ import torch
 
 from cords_vllm.selection.base import Selector
 from cords_vllm.selection.batch import UnitBatch
-from cords_vllm.selection.cords import cords_greedy
+from cords_vllm.selection.cords import GreedyParams, cords_greedy
 from cords_vllm.selection.registry import register_selector
 
 
@@ -23,6 +23,9 @@ class _D2Selector(Selector):
     """Greedy farthest-first (D^2) selection in one feature space."""
 
     alpha: ClassVar[float]
+
+    def greedy_params(self) -> GreedyParams:
+        return GreedyParams(self.alpha, self.alpha, 0.0, 1e-6)
 
     def _order_units(self, units: UnitBatch) -> torch.Tensor:
         return cords_greedy(units.feats, units.key_dim, units.valid, units.k, units.k_max, alpha=self.alpha,

@@ -184,19 +184,20 @@ class HostSyncCounter:
         return len(self.launch_names)
 
     def watch_triton(self, monkeypatch: Any, *modules: Any) -> None:
-        """Count each launch of the kernels that ``modules`` build with their ``_compiled(interpret)`` as one,
+        """Count each launch of the kernels that ``modules`` build with their ``_compiled(interpret[, kernel])`` as one,
         running it outside the counter (the interpreter's own tensor traffic is not a launch on CUDA)."""
         owner = self
         for module in modules:
             build = getattr(module._compiled, "unwatched", module._compiled)  # watched again: count once
 
-            def counted(interpret: bool, build: Any = build, name: str = module.__name__) -> Any:
-                kernel = build(interpret)
+            def counted(interpret: bool, *which: Any, build: Any = build, name: str = module.__name__) -> Any:
+                kernel = build(interpret, *which)
+                label = ":".join([name.rsplit(".", 1)[-1], *map(str, which)])
 
                 class _Counted:
                     def __getitem__(self, grid: Any) -> Any:
                         def run(*args: Any, **kwargs: Any) -> Any:
-                            owner.launch_names.append(f"triton:{name.rsplit('.', 1)[-1]}")
+                            owner.launch_names.append(f"triton:{label}")
                             with _disable_current_modes():
                                 return kernel[grid](*args, **kwargs)
                         return run

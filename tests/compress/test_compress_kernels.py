@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import cords_vllm.compress.copy_triton as copy_triton
+import cords_vllm.compress.step_triton as step_triton
 import cords_vllm.selection.cords_triton as cords_triton
 from cords_vllm.compress.kv_access import PagedAccessor, slots_of
 from cords_vllm.compress.kv_codec import PlainCodec, codec_for
@@ -32,10 +33,11 @@ HEADS, BS, D, TEXT, FRAME, FRAMES = 2, 8, 8, 5, 12, 10
 NUM_BLOCKS = 30
 REGION = (TEXT + FRAMES * FRAME) // BS  # 15 blocks
 #: Kernel launches (aten ops that launch and Triton kernels) one compression may make on the kernel path, per
-#: granularity, whatever the layer, anchor and kept counts.
-LAUNCH_BUDGET = {"token": 53, "block": 98, "frame": 144}
-#: Launches each anchor beyond the first adds: the read of its region, and the gather of its kept ids and labels.
-PER_EXTRA_ANCHOR = 6
+#: granularity, whatever the layer, anchor and kept counts: the issue's budget. The fused step makes 7 (the plan,
+#: the units, two Gram GEMMs, the greedy run, the finish and the copy).
+LAUNCH_BUDGET = {"token": 16, "block": 16, "frame": 16}
+#: Launches each anchor beyond the first adds: none (every anchor is a problem of the same launches).
+PER_EXTRA_ANCHOR = 0
 
 #: Physical stride orders of the logical [num_blocks, H, block_size, 2 * D] view (vLLM's KVCacheLayout family).
 LAYOUTS = {"NHBC": (0, 1, 2, 3), "NBHC": (0, 2, 1, 3), "HNBC": (1, 0, 2, 3)}
@@ -81,15 +83,18 @@ def _first(granularity: str, keep_blocks: int, region: int = REGION) -> RegionBa
 
 
 def _second(granularity: str, first_src: torch.Tensor, first_keep: int) -> RegionBatch:
-    """The next compression: the blocks the first kept, then the rest of the region."""
+    """The next compression: the blocks the first kept, then the five blocks that followed the region (the video's
+    last tokens, then text), with the ids and frame labels that follow the first region's."""
     blocks = torch.cat([first_src.view(-1, BS)[:first_keep, 0] // BS, torch.tensor([5, 15, 16, 18, 19])])
     prev = first_keep * BS
-    new_ids = torch.arange(10 * BS, 15 * BS)
+    new_ids = torch.arange(REGION * BS, (REGION + 5) * BS)
+    n_new_video = TEXT + FRAMES * FRAME - REGION * BS
     return RegionBatch(
-        src_slots=slots_of(blocks, BS), dst_slots=slots_of(blocks[:6], BS), new_ids=new_ids,
+        src_slots=slots_of(blocks, BS), dst_slots=slots_of(blocks[:8], BS), new_ids=new_ids,
         spans=torch.tensor([[TEXT, TEXT + FRAMES * FRAME]]),
-        new_labels=_labels()[10 * BS: 15 * BS] if granularity == "frame" else None, num_keep=6 * BS,
-        num_keep_candidates=6 * BS - TEXT, num_candidates=prev - TEXT + new_ids.numel(),
+        new_labels=_labels()[new_ids] if granularity == "frame" else None, num_keep=8 * BS,
+        num_keep_candidates=8 * BS - TEXT - (new_ids.numel() - n_new_video),
+        num_candidates=prev - TEXT + n_new_video,
         group_size={"frame": FRAME, "block": BS}.get(granularity), frame_tokens=FRAME)
 
 
@@ -165,7 +170,7 @@ def _launches(monkeypatch, layers: int, anchors: tuple[int, ...], granularity: s
     caches = _caches(layers, "NBHC", torch.bfloat16, shared=True, device="cpu")
     setup = SelectionSetup(get_selector("cords"), granularity, False, anchors, kernels="triton")
     counter = HostSyncCounter()
-    counter.watch_triton(monkeypatch, cords_triton, copy_triton)
+    counter.watch_triton(monkeypatch, cords_triton, copy_triton, step_triton)
     accessors, batch = [PagedAccessor.of(caches[0], D)] * layers, _first(granularity, keep)
     with counter:
         compress_region(caches, accessors, [None] * layers, batch, setup)
@@ -185,7 +190,9 @@ def test_launches_per_compression_do_not_grow_with_layers_or_kept_tokens(monkeyp
     two = _launches(monkeypatch, 12, (0,) * 6 + (6,) * 6, granularity, 11)
     assert two.launches <= base.launches + PER_EXTRA_ANCHOR, two.launch_names
     assert base.launches <= LAUNCH_BUDGET[granularity], base.launch_names
-    assert sum(name.startswith("triton:") for name in base.launch_names) == 2  # the greedy run and the copy
+    assert [n for n in base.launch_names if n.startswith("triton:")] == [
+        "triton:step_triton:plan", "triton:step_triton:units", "triton:cords_triton", "triton:step_triton:finish",
+        "triton:copy_triton"]
     assert len(base.syncs) <= HOST_SYNCS_PER_COMPRESSION[granularity]
     assert base.uploads == []
 

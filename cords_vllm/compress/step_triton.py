@@ -1,0 +1,442 @@
+"""The compress step in a fixed number of launches: one compression of one request, every anchor at once.
+
+The kernel path beside its reference, :func:`~cords_vllm.compress.step.compress_region`'s PyTorch path (which stays
+the CPU path and the reference this one is tested against), for the greedy D^2 family the greedy kernel runs
+(:meth:`~cords_vllm.selection.base.Selector.greedy_params`: ``cords`` with its max-cosine novelty in the paper's
+space, ``k_only``, ``v_only``). Where the PyTorch path runs a hundred-odd small ops per compression (region tokens,
+candidate ranks, frame ids, frame budget, centroids, the exact-count trim, the sort of kept positions, the held
+tokens' gathers), this one runs seven launches whatever the granularity, layer count or anchor count:
+
+1. :func:`_plan_kernel`, one program per problem (anchor, or anchor and KV head per head): the region's tokens
+   (previously held, then entering), the recent window's protection, and the *units* the policy ranks: candidate
+   tokens, full runs of ``group_size`` candidates (``block``), or labelled frames (``frame``: the edge frame kept
+   whole when it is cut short, the other frames as units, and the fewest frames any choice of which holds the
+   budget, :func:`~cords_vllm.selection.exact._frames_holding`'s rule).
+2. :func:`_units_kernel`, one program per (problem, unit): the unit's mean key and value, read from the paged cache
+   of its anchor layer (every anchor from one base pointer, as the copy addresses layers), non-finite entries read
+   as 0, and its norms. Extra programs scan the whole region for non-finite entries when a counter is given.
+3. Two batched GEMMs (the Gram matrices) and the greedy kernel
+   (:func:`~cords_vllm.selection.cords_triton.greedy_from_units`).
+4. :func:`_finish_kernel`, one program per problem: the exact-count rule
+   (:func:`~cords_vllm.selection.exact.select_exact`: units in the order chosen, oldest token first, the unit chosen
+   last trimmed), kept positions in row order, and the tokens the region now holds (ids, video, labels).
+5. The copy (:func:`~cords_vllm.compress.copy_triton.copy_kept`).
+
+Frame granularity reads one thing back to the host, as the reference does: the most frames a problem holds and the
+frame budget (a ``[P, 2]`` read). The other granularities read nothing.
+
+Same kept tokens as the reference: the units' features are the same sums in another order, so they may differ in
+their last bits; the greedy kernel's tie slack (:func:`~cords_vllm.selection.cords.snap_tolerance`) is there for
+that (tested on CPU under ``TRITON_INTERPRET=1``, ``tests/compress/test_step_triton.py``).
+
+Held tokens: the region's tokens after a compression are returned per layer as views of one ``[A, H', n]`` tensor
+per field (``H' = 1`` for joint selection, expanded over the heads), so the next compression reads every anchor's
+without a stack. Tokens held in another form (the PyTorch path's) are stacked first (a few launches, once).
+
+Not covered (the PyTorch path runs them, with the launches it counts): other policies, the normalized space and the
+exact novelty, joint selection under tensor parallelism (its head gather), caches other than the paged views of
+vLLM's GPU backends, fp8 caches, and problems past the greedy kernel's limits.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+
+from cords_vllm.compress import copy_triton
+from cords_vllm.compress.kv_access import KVAccessor, PagedAccessor
+from cords_vllm.compress.kv_codec import KVCodec, PlainCodec
+from cords_vllm.kernel_backend import interpreting
+from cords_vllm.selection.cords_triton import GRAM_LIMIT_BYTES, MAX_UNITS, greedy_from_units
+from cords_vllm.utils import cdiv
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = tl = None
+
+#: Unit modes of :func:`_plan_kernel`: candidate tokens, fixed runs of ``group_size`` candidates, labelled frames.
+TOKEN, BLOCK, FRAME = 0, 1, 2
+#: Region rows each non-finite scanning program reads.
+SCAN_ROWS = 64
+
+
+def _plan_kernel(held_ids, held_video, held_labels, hs_a, hs_h, new_ids, new_labels, spans, n_spans,
+                 region_ids, region_video, region_labels, elig_rank, unit_of, row_of_rank, unit_start, unit_size,
+                 protect, count_out, still_out, stats, flag,
+                 n_prev, n_tok, heads_per_problem, num_recent, need, group,
+                 MODE: tl.constexpr, LABELS: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Problem ``p``'s region tokens and units. Per-problem outputs are rows of ``[P, T]`` (``stats``: ``[P, 2]``,
+    the problem's frame count and frames holding ``need`` at frame granularity)."""
+    p = tl.program_id(0).to(tl.int64)
+    a = p // heads_per_problem
+    h = p % heads_per_problem
+    if p == 0:
+        tl.store(flag, 0)
+    t = tl.arange(0, BLOCK_T)
+    inside = t < n_tok
+    held = inside & (t < n_prev)
+    entering = inside & (t >= n_prev)
+    row = p * n_tok
+    h_at = a * hs_a + h * hs_h + t
+    ids = tl.where(held, tl.load(held_ids + h_at, mask=held, other=0),
+                   tl.load(new_ids + (t - n_prev), mask=entering, other=0))
+    in_span = tl.zeros([BLOCK_T], dtype=tl.int1)
+    for s in range(0, n_spans):
+        lo = tl.load(spans + 2 * s)
+        hi = tl.load(spans + 2 * s + 1)
+        in_span = in_span | ((ids >= lo) & (ids < hi))
+    video = tl.where(held, tl.load(held_video + h_at, mask=held, other=0) != 0, in_span) & inside
+    tl.store(region_ids + row + t, ids, mask=inside)
+    tl.store(region_video + row + t, video, mask=inside)
+    labels = tl.zeros([BLOCK_T], dtype=tl.int64)
+    if LABELS:
+        labels = tl.where(held, tl.load(held_labels + h_at, mask=held, other=0),
+                          tl.load(new_labels + (t - n_prev), mask=entering, other=0))
+        tl.store(region_labels + row + t, labels, mask=inside)
+
+    # The recent window: the newest num_recent video tokens are protected this time.
+    v = video.to(tl.int32)
+    after = tl.sum(v, 0) - tl.cumsum(v, 0) + v  # video tokens at or after each row
+    sel = video & (after > num_recent)
+    elig = sel
+    still = need
+    kept_whole = tl.zeros([BLOCK_T], dtype=tl.int1)
+    if MODE == 2:  # the newest frame, cut short by the region's edge, is kept whole
+        low = -9223372036854775807
+        newest = tl.max(tl.where(sel, labels, low), 0)
+        edge = sel & (labels == newest)
+        n_edge = tl.sum(edge.to(tl.int32), 0)
+        kept_whole = edge & (n_edge < group) & (n_edge < need)
+        elig = sel & ~kept_whole
+        still = need - tl.sum(kept_whole.to(tl.int32), 0)
+    e = elig.to(tl.int32)
+    rank = tl.where(elig, tl.cumsum(e, 0) - 1, -1)
+    n_elig = tl.sum(e, 0)
+    tl.store(elig_rank + row + t, rank, mask=inside)
+    tl.store(protect + row + t, inside & (~sel | kept_whole), mask=inside)
+    tl.store(row_of_rank + row + rank, t, mask=elig)
+    u = t  # unit slots, as wide as the rows
+    if MODE == 0:
+        unit = rank
+        count = n_elig
+        tl.store(unit_start + row + u, u, mask=u < count)
+        tl.store(unit_size + row + u, tl.full([BLOCK_T], 1, tl.int32), mask=u < count)
+    elif MODE == 1:
+        count = n_elig // group
+        unit = tl.where(elig & (rank < count * group), rank // group, -1)
+        tl.store(unit_start + row + u, u * group, mask=u < count)
+        tl.store(unit_size + row + u, tl.full([BLOCK_T], 0, tl.int32) + group, mask=u < count)
+    else:  # a frame starts where an eligible token's label differs from the previous eligible token's
+        tl.debug_barrier()  # row_of_rank and the labels are read back below
+        prev_row = tl.load(row_of_rank + row + rank - 1, mask=elig & (rank > 0), other=0)
+        prev_label = tl.load(region_labels + row + prev_row, mask=elig & (rank > 0), other=0)
+        first = elig & ((rank == 0) | (labels != prev_label))
+        f = first.to(tl.int32)
+        unit = tl.where(elig, tl.cumsum(f, 0) - 1, -1)
+        count = tl.sum(f, 0)
+        tl.store(unit_start + row + unit, rank, mask=first)
+        tl.debug_barrier()
+        start = tl.load(unit_start + row + u, mask=u < count, other=0)
+        nxt = tl.load(unit_start + row + u + 1, mask=u + 1 < count, other=0)
+        size = tl.where(u + 1 < count, nxt, n_elig) - start
+        tl.store(unit_size + row + u, size, mask=u < count)
+        # The fewest frames any choice of which holds `still` tokens: the smallest frames' sizes reach it.
+        smallest = tl.sort(tl.where(u < count, size, n_tok + 1))
+        prefix = tl.cumsum(tl.where(smallest <= n_tok, smallest, 0), 0)
+        holding = tl.minimum(tl.sum((prefix < still).to(tl.int32), 0) + 1, count)
+        tl.store(stats + 2 * p, count)
+        tl.store(stats + 2 * p + 1, holding)
+    tl.store(unit_of + row + t, unit, mask=inside)
+    tl.store(count_out + p, count)
+    tl.store(still_out + p, still)
+
+
+def _units_kernel(base, layer_offsets, src_slots, row_of_rank, unit_start, unit_size, count_in, region_video,
+                  feats, kn_out, vn_out, seed_out, valid_out, k_out, flag,
+                  n_tok, m_units, heads_per_problem, heads, head_size, frame_budget, k_fixed,
+                  s_block, s_head, s_offset, s_channel,
+                  MODE: tl.constexpr, PER_HEAD: tl.constexpr, SCAN: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                  BLOCK_F: tl.constexpr, SCAN_T: tl.constexpr):
+    """Program ``(p, u)``: unit ``u``'s mean key and value (``feats[p, u]``, keys then values), their norms and the
+    seed score, ``valid[p, u]``, and (``u == 0``) ``k[p]``. Programs ``u >= m_units`` (``SCAN``) look for non-finite
+    entries in rows ``(u - m_units) * SCAN_T ...`` of the region."""
+    p = tl.program_id(0).to(tl.int64)
+    u = tl.program_id(1)
+    a = p // heads_per_problem
+    cache = base + tl.load(layer_offsets + a)
+    f = tl.arange(0, BLOCK_F)
+    width = head_size if PER_HEAD else heads * head_size
+    in_f = f < width
+    if PER_HEAD:
+        head = p % heads_per_problem + f * 0
+        channel = f
+    else:
+        head = f // head_size
+        channel = f % head_size
+    at = head.to(tl.int64) * s_head + channel.to(tl.int64) * s_channel
+    v_at = at + head_size * s_channel
+    count = tl.load(count_in + p)
+    if u < m_units:
+        if u == 0:
+            if MODE == 2:  # noqa: SIM108 (Triton: a branch, not a select)
+                # labelled frames: the budget covers a problem when it covers every frame
+                k = tl.where(count <= frame_budget, 0, frame_budget)
+            else:
+                k = count * 0 + k_fixed
+            tl.store(k_out + p, k.to(tl.int64))
+        ok = u < count
+        start = tl.load(unit_start + p * n_tok + u, mask=ok, other=0)
+        size = tl.load(unit_size + p * n_tok + u, mask=ok, other=0)
+        acc_k = tl.zeros([BLOCK_F], dtype=tl.float32)
+        acc_v = tl.zeros([BLOCK_F], dtype=tl.float32)
+        for j in range(0, size):
+            slot = tl.load(src_slots + tl.load(row_of_rank + p * n_tok + start + j))
+            token = (slot // BLOCK_SIZE) * s_block + (slot % BLOCK_SIZE) * s_offset
+            x = tl.load(cache + token + at, mask=in_f, other=0.0).to(tl.float32)
+            y = tl.load(cache + token + v_at, mask=in_f, other=0.0).to(tl.float32)
+            acc_k += tl.where((x == x) & (tl.abs(x) < float("inf")), x, 0.0)
+            acc_v += tl.where((y == y) & (tl.abs(y) < float("inf")), y, 0.0)
+        n = tl.maximum(size, 1).to(tl.float32)
+        key = tl.where(ok, acc_k / n, 0.0)
+        value = tl.where(ok, acc_v / n, 0.0)
+        out = (p * m_units + u) * (2 * width)
+        tl.store(feats + out + f, key, mask=in_f)
+        tl.store(feats + out + width + f, value, mask=in_f)
+        tl.store(kn_out + p * m_units + u, tl.sqrt(tl.sum(key * key, 0)))
+        tl.store(vn_out + p * m_units + u, tl.sqrt(tl.sum(value * value, 0)))
+        both = key + value
+        tl.store(seed_out + p * m_units + u, tl.sqrt(tl.sum(both * both, 0)))
+        tl.store(valid_out + p * m_units + u, ok.to(tl.int8))
+    if SCAN:  # noqa: SIM102 (Triton: a constexpr branch around a runtime one)
+        if u >= m_units:
+            rows = (u - m_units) * SCAN_T + tl.arange(0, SCAN_T)
+            live = rows < n_tok
+            slot = tl.load(src_slots + rows, mask=live, other=0)
+            token = ((slot // BLOCK_SIZE) * s_block + (slot % BLOCK_SIZE) * s_offset)[:, None]
+            mask = live[:, None] & in_f[None, :]
+            x = tl.load(cache + token + at[None, :], mask=mask, other=0.0).to(tl.float32)
+            y = tl.load(cache + token + v_at[None, :], mask=mask, other=0.0).to(tl.float32)
+            bad = tl.sum(tl.sum(((x != x) | (tl.abs(x) == float("inf")) | (y != y)
+                                 | (tl.abs(y) == float("inf"))).to(tl.int32), 1), 0)
+            if bad > 0:
+                tl.store(flag, 1)
+
+
+def _finish_kernel(order, k_in, still_in, count_in, elig_rank, unit_of, unit_start, unit_size, protect,
+                   region_ids, region_video, region_labels, kept_count, positions, out_ids, out_video, out_labels,
+                   flag, nonfinite,
+                   n_tok, m_units, k_max, num_keep,
+                   LABELS: tl.constexpr, SCAN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Problem ``p``'s kept rows (``positions[p]``, increasing) and the tokens the region holds after the copy."""
+    p = tl.program_id(0).to(tl.int64)
+    row = p * n_tok
+    t = tl.arange(0, BLOCK_T)
+    inside = t < n_tok
+    k = tl.load(k_in + p)
+    still = tl.load(still_in + p)
+    # Tokens each chosen unit keeps: units in the order chosen fill `still`, the one crossing it is trimmed.
+    tl.store(kept_count + row + t, tl.zeros([BLOCK_T], dtype=tl.int32), mask=t < m_units)
+    tl.debug_barrier()
+    s = tl.arange(0, BLOCK_K)
+    chosen = (s < k) & (s < k_max)
+    unit = tl.load(order + p * k_max + s, mask=chosen, other=0)
+    chosen = chosen & (unit >= 0)
+    size = tl.load(unit_size + row + unit, mask=chosen, other=0)
+    before = tl.cumsum(size, 0) - size
+    take = tl.minimum(tl.maximum(still - before, 0), size)
+    tl.store(kept_count + row + unit, take, mask=chosen)
+    tl.debug_barrier()
+    rank = tl.load(elig_rank + row + t, mask=inside, other=-1)
+    mine = tl.load(unit_of + row + t, mask=inside, other=-1)
+    has_unit = mine >= 0
+    first = tl.load(unit_start + row + mine, mask=has_unit, other=0)
+    quota = tl.load(kept_count + row + mine, mask=has_unit, other=0)
+    kept = has_unit & (rank - first < quota)
+    covered = (rank >= 0) & (rank < still)  # a budget that covers every unit (k == 0): the oldest `still` candidates
+    kept = tl.where(k == 0, covered, kept)
+    keep = inside & ((tl.load(protect + row + t, mask=inside, other=0) != 0) | kept)
+    c = keep.to(tl.int32)
+    at = tl.cumsum(c, 0) - 1
+    out = p * num_keep + at
+    tl.store(positions + out, t.to(tl.int64), mask=keep)
+    tl.store(out_ids + out, tl.load(region_ids + row + t, mask=inside, other=0), mask=keep)
+    tl.store(out_video + out, tl.load(region_video + row + t, mask=inside, other=0), mask=keep)
+    if LABELS:
+        tl.store(out_labels + out, tl.load(region_labels + row + t, mask=inside, other=0), mask=keep)
+    if SCAN:  # noqa: SIM102 (Triton: a constexpr branch around a runtime one)
+        if p == 0:
+            tl.store(nonfinite, tl.load(nonfinite) + tl.load(flag).to(tl.int64))
+
+
+@functools.cache
+def _compiled(interpret: bool, kernel: str = "plan"):
+    """Each kernel, jitted on first use (under the interpreter when ``TRITON_INTERPRET=1`` at that time)."""
+    return triton.jit({"plan": _plan_kernel, "units": _units_kernel, "finish": _finish_kernel}[kernel])
+
+
+def covers(selector, accessors: Sequence[KVAccessor], caches: Sequence[torch.Tensor],
+           codecs: Sequence[KVCodec] | None, anchors: Sequence[int], gathers_heads: bool,
+           needs_observation: bool) -> bool:
+    """Whether :func:`compress_region_fused` runs this compression (see the module docstring's "Not covered")."""
+    if selector.greedy_params() is None or gathers_heads or needs_observation:
+        return False
+    if not all(isinstance(a, PagedAccessor) for a in accessors):
+        return False
+    if codecs is not None and not all(isinstance(codecs[a], PlainCodec) for a in anchors):
+        return False
+    first = caches[anchors[0]]
+    if not first.dtype.is_floating_point or first.element_size() > 4:
+        return False
+    return all(copy_triton._signature(caches[a]) == copy_triton._signature(first) for a in anchors)
+
+
+def _stacked(held: Sequence, anchors: Sequence[int]):
+    """Every anchor's held tokens as ``[A, H', n]`` tensors (ids, video, labels or ``None``): the views this module
+    returned last time, read in place, else stacked."""
+    fields = []
+    for name in ("ids", "candidates", "labels"):
+        parts = [getattr(held[a], name) for a in anchors]
+        if parts[0] is None or any(x is None for x in parts):
+            fields.append(None)
+            continue
+        root = parts[0]._base
+        if root is not None and root.dim() == 3 and root.shape[0] == len(anchors) and all(
+                x._base is root and x.data_ptr() == root[i].data_ptr() for i, x in enumerate(parts)):
+            fields.append(root)
+        else:
+            fields.append(torch.stack(parts))
+    return fields
+
+
+def compress_region_fused(caches: Sequence[torch.Tensor], held: Sequence, batch, setup,
+                          nonfinite: torch.Tensor | None) -> list | None:
+    """:func:`~cords_vllm.compress.step.compress_region` (same arguments, same result) in seven launches.
+
+    ``None``, before anything is written (the caller then runs the PyTorch path): the problem exceeds the greedy
+    kernel's limits, or a layer holds other tokens than its anchor (an anchor that follows another anchor, or held
+    tokens not shared the way this step and the reference return them). The caller checks :func:`covers` first."""
+    from cords_vllm.compress.step import HeldTokens  # the step imports this module lazily
+
+    anchors = setup.anchors
+    if any(setup.anchor_of[a] != a for a in anchors) or any(
+            held[layer] is not held[setup.anchor_of[layer]] for layer in range(len(caches))):
+        return None  # a layer holds tokens other than its anchor's: only the reference gathers them per layer
+    first = caches[anchors[0]]
+    device = first.device
+    _, heads, block_size, channels = first.shape
+    head_size = channels // 2
+    n_anchor = len(anchors)
+    per_head = setup.per_head
+    hp = heads if per_head else 1
+    n_prob = n_anchor * hp
+    unit = batch.unit(setup)
+    labels_given = batch.new_labels is not None
+    group = batch.group_size
+    need, n_cand = batch.num_keep_candidates, batch.num_candidates
+    if not 0 <= need < n_cand:
+        raise ValueError(f"need: must be in [0, {n_cand}) (the candidate count), got {need}")
+    width = heads * head_size if not per_head else head_size
+    n_prev = 0 if held[anchors[0]] is None else held[anchors[0]].ids.shape[1]
+    n_tok = n_prev + batch.new_ids.shape[0]
+    empty_long = torch.empty(1, dtype=torch.long, device=device)
+    if n_prev:
+        h_ids, h_video, h_labels = _stacked(held, anchors)
+        hs_a, hs_h = h_ids.stride(0), h_ids.stride(1)
+        if h_video.stride()[:2] != (hs_a, hs_h) or (h_labels is not None and h_labels.stride()[:2] != (hs_a, hs_h)):
+            h_ids, h_video = h_ids.contiguous(), h_video.contiguous()
+            h_labels = None if h_labels is None else h_labels.contiguous()
+            hs_a, hs_h = h_ids.stride(0), h_ids.stride(1)
+        if h_ids.shape[1] == 1:
+            hs_h = 0
+    else:
+        h_ids, h_video, h_labels, hs_a, hs_h = empty_long, empty_long, None, 0, 0
+    labels = labels_given and (n_prev == 0 or h_labels is not None)  # the region's labels, as the reference's
+    if unit == "frame" and labels:
+        if group is None:
+            raise ValueError("group_size: required (the largest frame, in tokens) at frame granularity")
+        mode = FRAME
+    elif unit == "token" or group is None or cdiv(need, group) > n_cand // group:
+        mode = TOKEN
+    else:
+        mode = BLOCK
+    if mode != FRAME and (n_cand if mode == TOKEN else n_cand // group) > MAX_UNITS:
+        return None
+
+    def buf(dtype: torch.dtype, *shape: int) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=device)
+
+    block_t = max(16, triton.next_power_of_2(n_tok))
+    region_ids, region_video = buf(torch.long, n_prob, n_tok), buf(torch.bool, n_prob, n_tok)
+    region_labels = buf(torch.long, n_prob, n_tok) if labels else empty_long
+    elig_rank, unit_of, row_of_rank = (buf(torch.int32, n_prob, n_tok) for _ in range(3))
+    unit_start, unit_size, kept_count = (buf(torch.int32, n_prob, n_tok) for _ in range(3))
+    protect = buf(torch.bool, n_prob, n_tok)
+    count, still = buf(torch.int32, n_prob), buf(torch.int32, n_prob)
+    stats, flag = buf(torch.int32, n_prob, 2), buf(torch.int32, 1)
+    interp = interpreting()
+    spans = batch.spans.contiguous()
+    _compiled(interp, "plan")[(n_prob,)](
+        h_ids, h_video, h_labels if h_labels is not None else empty_long, hs_a, hs_h,
+        batch.new_ids.contiguous(), batch.new_labels.contiguous() if labels_given else empty_long,
+        spans, spans.shape[0], region_ids, region_video, region_labels, elig_rank, unit_of, row_of_rank,
+        unit_start, unit_size, protect, count, still, stats, flag,
+        n_prev, n_tok, hp, batch.num_recent, need, group or 1,
+        MODE=mode, LABELS=labels, BLOCK_T=block_t)
+
+    frame_budget = 0
+    if mode == FRAME:  # the compression's one host read: the most frames of a problem, and the frame budget
+        per_problem = stats.tolist()
+        m_units = max(c for c, _ in per_problem)
+        frame_budget = batch.frame_budget if batch.frame_budget is not None else max(b for _, b in per_problem)
+        k_max = frame_budget * (m_units > frame_budget)
+    elif mode == BLOCK:
+        m_units = n_cand // group
+        k_max = cdiv(need, group) * (n_cand > cdiv(need, group) * group)
+    else:
+        m_units, k_max = n_cand, need  # need < n_cand: never a covering budget
+    if m_units > MAX_UNITS or n_prob * m_units * m_units * 8 > GRAM_LIMIT_BYTES:
+        return None
+
+    params = setup.selector.greedy_params()
+    feats = buf(torch.float32, n_prob, max(m_units, 1), 2 * width)
+    kn, vn, seed = (buf(torch.float32, n_prob, max(m_units, 1)) for _ in range(3))
+    valid, k = buf(torch.int8, n_prob, max(m_units, 1)), buf(torch.long, n_prob)
+    scan = nonfinite is not None
+    s_block, s_head, s_offset, s_channel = first.stride()
+    offsets = copy_triton._device_table(tuple((caches[a].data_ptr() - first.data_ptr()) // first.element_size()
+                                  for a in anchors), device)
+    scan_programs = cdiv(n_tok, SCAN_ROWS) if scan else 0
+    _compiled(interp, "units")[(n_prob, max(m_units, 1) + scan_programs)](
+        first, offsets, batch.src_slots.contiguous(), row_of_rank, unit_start, unit_size, count, region_video,
+        feats, kn, vn, seed, valid, k, flag,
+        n_tok, max(m_units, 1), hp, heads, head_size, frame_budget, k_max,
+        s_block, s_head, s_offset, s_channel,
+        MODE=mode, PER_HEAD=per_head, SCAN=scan, BLOCK_SIZE=block_size,
+        BLOCK_F=max(16, triton.next_power_of_2(width)), SCAN_T=SCAN_ROWS)
+
+    order = greedy_from_units(feats, width, kn, vn, seed, valid, k, k_max, params) if k_max > 0 else empty_long
+    num_keep = batch.num_keep
+    shape = (n_anchor, hp, num_keep)  # the held tokens' views below keep this root
+    positions = buf(torch.long, *shape)
+    out_ids, out_video = buf(torch.long, *shape), buf(torch.bool, *shape)
+    out_labels = buf(torch.long, *shape) if labels else empty_long
+    _compiled(interp, "finish")[(n_prob,)](
+        order, k, still, count, elig_rank, unit_of, unit_start, unit_size, protect,
+        region_ids, region_video, region_labels, kept_count, positions, out_ids, out_video, out_labels,
+        flag, nonfinite if scan else empty_long,
+        n_tok, max(m_units, 1), k_max, num_keep,
+        LABELS=labels, SCAN=scan, BLOCK_T=block_t, BLOCK_K=max(16, triton.next_power_of_2(max(k_max, 1))))
+
+    positions = positions.expand(n_anchor, heads, num_keep)
+    row_of = {a: i for i, a in enumerate(anchors)}
+    anchor_row = [row_of[setup.anchor_of[layer]] for layer in range(len(caches))]
+    copy_triton.copy_kept(caches, positions, anchor_row, batch.src_slots, batch.dst_slots)
+    out_labels = out_labels if labels else None
+    kept = [HeldTokens(out_ids[i].expand(heads, -1), out_video[i].expand(heads, -1),
+                       None if out_labels is None else out_labels[i].expand(heads, -1))
+            for i in range(n_anchor)]
+    return [kept[row] for row in anchor_row]

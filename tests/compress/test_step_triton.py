@@ -1,0 +1,238 @@
+"""The fused compress step (:mod:`cords_vllm.compress.step_triton`) keeps what the PyTorch path keeps.
+
+Where no GPU is, on CPU under Triton's interpreter (with a GPU, compiled, on CUDA tensors): random streams of text and
+videos (frames that straddle blocks, several videos, the recent window, budgets that cover every frame, a budget of
+no video at all), compressed twice the way the worker does (the kept blocks, then the blocks that followed), on
+every policy the fused path covers, every granularity, joint and per head, one anchor or several. Equal means the
+same held tokens (ids, video flags, frame labels) per layer and the same caches, bit for bit, after each compression,
+and the same non-finite count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import inspect
+
+import pytest
+import torch
+
+import cords_vllm.compress.step_triton as step_triton
+from cords_vllm.compress.kv_access import PagedAccessor, slots_of
+from cords_vllm.compress.step import RegionBatch, SelectionSetup, compress_region
+from cords_vllm.selection import get_selector
+
+pytest.importorskip("triton")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+HEADS, BS, D, LAYERS, NUM_BLOCKS = 2, 8, 8, 3, 48
+
+#: The policies the fused path covers, with settings that switch each of the greedy kernel's terms off.
+POLICIES = {
+    "cords": {},
+    "cords_d2": {"lam": 0.0},
+    "cords_keys": {"alpha": 1.0, "eta": 1.0},
+    "cords_values": {"alpha": 0.0, "eta": 0.0},
+    "k_only": None,
+    "v_only": None,
+}
+
+
+def _selector(policy: str):
+    params = POLICIES[policy]
+    return get_selector(policy) if params is None else get_selector("cords", **params)
+
+
+@dataclasses.dataclass
+class Stream:
+    """A request's tokens: ids ``0..n-1``, which are video, and each token's frame label (non-decreasing)."""
+
+    video: torch.Tensor  # bool [n]
+    labels: torch.Tensor  # long [n]
+    spans: torch.Tensor  # long [V, 2]
+    frame: int  # tokens per frame (the largest)
+
+
+def _stream(g: torch.Generator, frame: int) -> Stream:
+    def draw(lo: int, hi: int) -> int:
+        return int(torch.randint(lo, hi + 1, (1,), generator=g))
+
+    parts, spans, n = [], [], 0
+    for _ in range(draw(1, 2)):
+        text = draw(2, 9)
+        frames = draw(5, 9)
+        parts += [("text", text), ("video", frames * frame)]
+        spans.append([n + text, n + text + frames * frame])
+        n += text + frames * frame
+    parts.append(("text", 40))
+    n += 40
+    video = torch.zeros(n, dtype=torch.bool)
+    labels = torch.zeros(n, dtype=torch.long)
+    at, label = 0, 0
+    for kind, size in parts:
+        if kind == "video":
+            video[at:at + size] = True
+            labels[at:at + size] = label + 1 + torch.arange(size) // frame
+            label += size // frame + 1
+        else:
+            label += 1
+            labels[at:at + size] = label
+        at += size
+    return Stream(video, labels, torch.tensor(spans), frame)
+
+
+def _batch(stream: Stream, granularity: str, held_ids: torch.Tensor | None, held_video: int, first_new: int,
+           new_blocks: int, block_ids: torch.Tensor, g: torch.Generator, fraction: float) -> RegionBatch | None:
+    """The region of ``held`` (``held_ids``, ``held_video`` of them video) then ``new_blocks`` blocks of new tokens,
+    kept down to ``fraction`` of its candidates, rounded to whole blocks; ``None`` where no whole block fits."""
+    new_ids = torch.arange(first_new, first_new + new_blocks * BS)
+    n_held = 0 if held_ids is None else held_ids.numel()
+    video_new = int(stream.video[new_ids].sum())
+    n_video = held_video + video_new
+    recent = int(torch.randint(0, 2 * stream.frame, (1,), generator=g)) if n_video > 3 * stream.frame else 0
+    n_cand = n_video - recent
+    protected = n_held + new_ids.numel() - n_cand
+    keep_blocks = min(-(-protected // BS) + int(fraction * n_cand) // BS, (protected + n_cand - 1) // BS)
+    need = keep_blocks * BS - protected
+    if n_cand < 2 or not 0 <= need < n_cand:
+        return None
+    blocks = block_ids[: (n_held + new_ids.numel()) // BS]
+    return RegionBatch(
+        src_slots=slots_of(blocks, BS), dst_slots=slots_of(blocks[:keep_blocks], BS), new_ids=new_ids,
+        spans=stream.spans, new_labels=stream.labels[new_ids] if granularity == "frame" else None,
+        num_keep=keep_blocks * BS, num_keep_candidates=need, num_candidates=n_cand,
+        group_size={"frame": stream.frame, "block": BS, "runs": stream.frame}.get(granularity),
+        frame_tokens=stream.frame,
+        num_recent=recent)
+
+
+def _on(batch: RegionBatch) -> RegionBatch:
+    return RegionBatch(**{f: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for f, v in vars(batch).items()})
+
+
+def _caches(seed: int, nan_at: tuple[int, int] | None = None) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randn(LAYERS, NUM_BLOCKS, BS, HEADS, 2 * D, generator=g).to(torch.bfloat16)
+    raw[:, :, ::3] = raw[:, :, 1::3][:, :, : raw[:, :, ::3].shape[2]]  # duplicated tokens: exact ties
+    if nan_at is not None:
+        block, offset = nan_at
+        raw[:, block, offset, 0, 1] = float("nan")
+    return [layer.to(DEVICE).permute(0, 2, 1, 3) for layer in raw]  # NBHC behind the logical view
+
+
+def _compress_twice(kernels: str, seed: int, policy: str, granularity: str, per_head: bool,
+                    anchors: tuple[int, ...], fraction: float, nan_at: tuple[int, int] | None = None):
+    """Both compressions of one random stream; per compression the held tokens, caches and non-finite count."""
+    g = torch.Generator().manual_seed(seed)
+    stream = _stream(g, frame=int(torch.randint(9, 14, (1,), generator=g)))
+    block_ids = torch.randperm(NUM_BLOCKS, generator=g)
+    caches = _caches(seed, None if nan_at is None else (int(block_ids[nan_at[0]]), nan_at[1]))
+    accessors = [PagedAccessor.of(caches[0], D)] * LAYERS
+    unit = "block" if granularity == "runs" else granularity  # runs: blocks of a frame's length, as auto picks
+    setup = SelectionSetup(_selector(policy), unit, per_head, anchors, kernels=kernels)
+    nonfinite = torch.zeros((), dtype=torch.long, device=DEVICE)
+    region = int(stream.spans[0, 1]) // BS  # the first video's blocks, the last cut by the block edge
+    first = _batch(stream, granularity, None, 0, 0, region, block_ids, g, fraction)
+    assert first is not None
+    held = compress_region(caches, accessors, [None] * LAYERS, _on(first), setup, nonfinite=nonfinite)
+    out = [([(h.ids.cpu(), h.candidates.cpu(), None if h.labels is None else h.labels.cpu()) for h in held],
+            [c.cpu().clone() for c in caches], int(nonfinite))]
+    kept = first.num_keep // BS
+    block_ids = torch.cat([first.src_slots.view(-1, BS)[:kept, 0] // BS, block_ids[region:]])
+    second = _batch(stream, granularity, held[0].ids[0].cpu(), int(held[0].candidates[0].sum()), region * BS, 4,
+                    block_ids, g, fraction)
+    if second is not None:
+        held = compress_region(caches, accessors, held, _on(second), setup, nonfinite=nonfinite)
+        out.append(([(h.ids.cpu(), h.candidates.cpu(), None if h.labels is None else h.labels.cpu()) for h in held],
+                    [c.cpu().clone() for c in caches], int(nonfinite)))
+    return out
+
+
+def _assert_same(ref, got) -> None:
+    assert len(ref) == len(got)
+    for (ref_held, ref_caches, ref_bad), (held, caches, bad) in zip(ref, got, strict=True):
+        for (a_ids, a_video, a_labels), (b_ids, b_video, b_labels) in zip(ref_held, held, strict=True):
+            assert torch.equal(a_ids, b_ids), (a_ids, b_ids)
+            assert torch.equal(a_video, b_video)
+            assert (a_labels is None) == (b_labels is None)
+            assert a_labels is None or torch.equal(a_labels, b_labels)
+        for a, b in zip(ref_caches, caches, strict=True):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+        assert ref_bad == bad
+
+
+@pytest.mark.parametrize("granularity", ["token", "block", "frame"])
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_the_fused_step_keeps_what_the_reference_keeps(policy, granularity, per_head):
+    seed = 7 * len(policy) + 3 * per_head + {"token": 0, "block": 1, "frame": 2}[granularity]
+    anchors = (0, 0, 2) if seed % 2 else (0, 0, 0)
+    fraction = (0.125, 0.25, 0.5)[seed % 3]
+    _assert_same(_compress_twice("torch", seed, policy, granularity, per_head, anchors, fraction),
+                 _compress_twice("triton", seed, policy, granularity, per_head, anchors, fraction))
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("granularity", ["block", "runs", "frame"])
+def test_budgets_from_none_to_nearly_every_candidate(seed, granularity):
+    """Budgets of little video, and budgets that cover every frame or run (every unit kept, trimmed to the oldest
+    candidates: runs longer than a block, as ``granularity: auto`` picks, and frames), on random streams."""
+    fraction = (0.0, 0.9, 1.0)[seed % 3]
+    _assert_same(_compress_twice("torch", seed, "cords", granularity, False, (0, 1, 2), fraction),
+                 _compress_twice("triton", seed, "cords", granularity, False, (0, 1, 2), fraction))
+
+
+@pytest.mark.parametrize("nan_at", [(0, 0), (5, 3)])
+def test_non_finite_entries_are_read_as_zero_and_counted_once(nan_at):
+    """A NaN in a protected token (the first, text) or in a candidate (the 44th): the same kept tokens, and the
+    counter raised once per compression that read it."""
+    ref = _compress_twice("torch", 11, "cords", "token", False, (0, 0, 0), 0.25, nan_at)
+    got = _compress_twice("triton", 11, "cords", "token", False, (0, 0, 0), 0.25, nan_at)
+    _assert_same(ref, got)
+    assert got[0][2] == 1 and got[-1][2] >= 1
+
+
+def test_the_fused_path_runs_and_hands_back_what_it_does_not_cover(monkeypatch):
+    """The default policy runs the fused step; the exact novelty and the normalized space run the PyTorch path (the
+    fused step is never entered), and keep the same tokens under either choice."""
+    calls = []
+    fused = step_triton.compress_region_fused
+    monkeypatch.setattr(step_triton, "compress_region_fused", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    _compress_twice("triton", 1, "cords", "token", False, (0, 0, 0), 0.25)
+    assert calls
+    for params in ({"novelty": "exact"}, {"space": "normalized"}):
+        calls.clear()
+        POLICIES["custom"] = params
+        try:
+            ref = _compress_twice("torch", 1, "custom", "token", False, (0, 0, 0), 0.25)
+            got = _compress_twice("triton", 1, "custom", "token", False, (0, 0, 0), 0.25)
+        finally:
+            del POLICIES["custom"]
+        assert not calls
+        _assert_same(ref, got)
+
+
+def test_a_trim_that_keeps_the_newest_tokens_of_a_frame_is_caught(monkeypatch, tmp_path):
+    """Negative control: the same comparison fails for a fused step whose exact-count rule keeps a trimmed unit's
+    newest tokens instead of its oldest (the reference's rule): the module, with that one line changed, loaded from a
+    file (Triton reads a kernel's source)."""
+    source = inspect.getsource(step_triton)
+    rule = "kept = has_unit & (rank - first < quota)"
+    assert source.count(rule) == 1
+    mutant = tmp_path / "newest_first_trim.py"
+    mutant.write_text(source.replace(rule, "kept = has_unit & (tl.load(unit_size + row + mine, mask=has_unit, "
+                                           "other=0) - 1 - (rank - first) < quota)"))
+    spec = importlib.util.spec_from_file_location("newest_first_trim", mutant)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    refs = {seed: _compress_twice("torch", seed, "cords", "frame", False, (0, 0, 0), 0.25) for seed in range(2, 6)}
+    for seed, ref in refs.items():
+        _assert_same(ref, _compress_twice("triton", seed, "cords", "frame", False, (0, 0, 0), 0.25))
+    monkeypatch.setattr(step_triton, "_compiled", module._compiled)
+    caught = 0
+    for seed, ref in refs.items():
+        try:
+            _assert_same(ref, _compress_twice("triton", seed, "cords", "frame", False, (0, 0, 0), 0.25))
+        except AssertionError:
+            caught += 1
+    assert caught >= 2, caught
