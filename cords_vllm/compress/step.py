@@ -318,7 +318,7 @@ def _compress_region(caches: Sequence[torch.Tensor], accessors: Sequence[KVAcces
     if _fused(caches, accessors, codecs, setup):
         from cords_vllm.compress.step_triton import compress_region_fused
 
-        done = compress_region_fused(caches, held, batch, setup, nonfinite)
+        done = compress_region_fused(caches, held, batch, setup, nonfinite, codecs)
         if done is not None:
             return done
     heads = accessors[0].num_kv_heads

@@ -35,7 +35,8 @@ without a stack. Tokens held in another form (the PyTorch path's) are stacked fi
 
 Not covered (the PyTorch path runs them, with the launches it counts): other policies, the normalized space and the
 exact novelty, joint selection under tensor parallelism (its head gather), caches other than the paged views of
-vLLM's GPU backends, fp8 caches, and problems past the greedy kernel's limits.
+vLLM's GPU backends, and problems past the greedy kernel's limits. fp8 caches (e4m3, e5m2) are covered: the units
+kernel decodes their bytes with the layers' scales, as :class:`~cords_vllm.compress.kv_codec.Fp8Codec` does.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ import torch
 
 from cords_vllm.compress import copy_triton
 from cords_vllm.compress.kv_access import KVAccessor, PagedAccessor
-from cords_vllm.compress.kv_codec import KVCodec, PlainCodec
+from cords_vllm.compress.kv_codec import Fp8Codec, KVCodec, PlainCodec
 from cords_vllm.kernel_backend import interpreting
 from cords_vllm.selection.cords_triton import GRAM_LIMIT_BYTES, MAX_UNITS, greedy_from_units
 from cords_vllm.utils import cdiv
@@ -155,15 +156,37 @@ def _plan_kernel(held_ids, held_video, held_labels, hs_a, hs_h, new_ids, new_lab
     tl.store(still_out + p, still)
 
 
-def _units_kernel(base, layer_offsets, src_slots, row_of_rank, unit_start, unit_size, count_in, region_video,
+def _e4m3(b):
+    """fp32 values of e4m3fn bytes (``uint8``; NaN bytes decode as numbers: the caller masks them), exactly: normal
+    numbers rebuilt as fp32 bits (exponent bias 7 -> 127), subnormals ``m * 2^-9``."""
+    b = b.to(tl.int32)
+    e = (b >> 3) & 0xF
+    m = b & 0x7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    magnitude = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+    return tl.where((b & 0x80) != 0, -magnitude, magnitude)
+
+
+def _e5m2(b):
+    """fp32 values of e5m2 bytes (``uint8``), exactly: an e5m2 byte is the high byte of the fp16 with its value."""
+    return (b.to(tl.int16) << 8).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+def _units_kernel(base, layer_offsets, scales, src_slots, row_of_rank, unit_start, unit_size, count_in,
                   feats, kn_out, vn_out, seed_out, valid_out, k_out, flag,
                   n_tok, m_units, heads_per_problem, heads, head_size, frame_budget, k_fixed,
                   s_block, s_head, s_offset, s_channel,
-                  MODE: tl.constexpr, PER_HEAD: tl.constexpr, SCAN: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                  BLOCK_F: tl.constexpr, SCAN_T: tl.constexpr):
+                  MODE: tl.constexpr, PER_HEAD: tl.constexpr, SCAN: tl.constexpr, FP8: tl.constexpr,
+                  BLOCK_SIZE: tl.constexpr, BLOCK_F: tl.constexpr, SCAN_T: tl.constexpr):
     """Program ``(p, u)``: unit ``u``'s mean key and value (``feats[p, u]``, keys then values), their norms and the
     seed score, ``valid[p, u]``, and (``u == 0``) ``k[p]``. Programs ``u >= m_units`` (``SCAN``) look for non-finite
-    entries in rows ``(u - m_units) * SCAN_T ...`` of the region."""
+    entries in rows ``(u - m_units) * SCAN_T ...`` of the region.
+
+    ``FP8``: 0 for a floating cache; 1 (e4m3) or 2 (e5m2) for an fp8 cache read as bytes, decoded as
+    :class:`~cords_vllm.compress.kv_codec.Fp8Codec` does (``scales``: ``float32 [A, 2, H]``, the keys' and the
+    values' scale of every anchor and head). Bytes are decoded from their bits (:func:`_e4m3`, :func:`_e5m2`): exact,
+    on every GPU (sm_80 has no e4m3 conversion) and in Triton's interpreter alike; a NaN (or e5m2 inf) byte is told
+    from its bits too."""
     p = tl.program_id(0).to(tl.int64)
     u = tl.program_id(1)
     a = p // heads_per_problem
@@ -179,6 +202,8 @@ def _units_kernel(base, layer_offsets, src_slots, row_of_rank, unit_start, unit_
         channel = f % head_size
     at = head.to(tl.int64) * s_head + channel.to(tl.int64) * s_channel
     v_at = at + head_size * s_channel
+    k_scale = tl.load(scales + a * 2 * heads + head, mask=in_f, other=1.0) if FP8 else 1.0
+    v_scale = tl.load(scales + a * 2 * heads + heads + head, mask=in_f, other=1.0) if FP8 else 1.0
     count = tl.load(count_in + p)
     if u < m_units:
         if u == 0:
@@ -196,10 +221,19 @@ def _units_kernel(base, layer_offsets, src_slots, row_of_rank, unit_start, unit_
         for j in range(0, size):
             slot = tl.load(src_slots + tl.load(row_of_rank + p * n_tok + start + j))
             token = (slot // BLOCK_SIZE) * s_block + (slot % BLOCK_SIZE) * s_offset
-            x = tl.load(cache + token + at, mask=in_f, other=0.0).to(tl.float32)
-            y = tl.load(cache + token + v_at, mask=in_f, other=0.0).to(tl.float32)
-            acc_k += tl.where((x == x) & (tl.abs(x) < float("inf")), x, 0.0)
-            acc_v += tl.where((y == y) & (tl.abs(y) < float("inf")), y, 0.0)
+            x = tl.load(cache + token + at, mask=in_f, other=0)
+            y = tl.load(cache + token + v_at, mask=in_f, other=0)
+            if FP8 == 0:
+                x_ok, y_ok = in_f, in_f
+                x, y = x.to(tl.float32), y.to(tl.float32)
+            elif FP8 == 1:  # e4m3fn: NaN is S.1111.111
+                x_ok, y_ok = (x & 0x7F) != 0x7F, (y & 0x7F) != 0x7F
+                x, y = _e4m3(x) * k_scale, _e4m3(y) * v_scale
+            else:  # e5m2: inf and NaN are S.11111.xx
+                x_ok, y_ok = (x & 0x7C) != 0x7C, (y & 0x7C) != 0x7C
+                x, y = _e5m2(x) * k_scale, _e5m2(y) * v_scale
+            acc_k += tl.where(x_ok & (x == x) & (tl.abs(x) < float("inf")), x, 0.0)
+            acc_v += tl.where(y_ok & (y == y) & (tl.abs(y) < float("inf")), y, 0.0)
         n = tl.maximum(size, 1).to(tl.float32)
         key = tl.where(ok, acc_k / n, 0.0)
         value = tl.where(ok, acc_v / n, 0.0)
@@ -218,9 +252,18 @@ def _units_kernel(base, layer_offsets, src_slots, row_of_rank, unit_start, unit_
             slot = tl.load(src_slots + rows, mask=live, other=0)
             token = ((slot // BLOCK_SIZE) * s_block + (slot % BLOCK_SIZE) * s_offset)[:, None]
             mask = live[:, None] & in_f[None, :]
-            x = tl.load(cache + token + at[None, :], mask=mask, other=0.0).to(tl.float32)
-            y = tl.load(cache + token + v_at[None, :], mask=mask, other=0.0).to(tl.float32)
-            bad = tl.sum(tl.sum(((x != x) | (tl.abs(x) == float("inf")) | (y != y)
+            x = tl.load(cache + token + at[None, :], mask=mask, other=0)
+            y = tl.load(cache + token + v_at[None, :], mask=mask, other=0)
+            if FP8 == 0:
+                x_bad, y_bad = x != x, y != y
+                x, y = x.to(tl.float32), y.to(tl.float32)
+            elif FP8 == 1:
+                x_bad, y_bad = (x & 0x7F) == 0x7F, (y & 0x7F) == 0x7F
+                x, y = _e4m3(x) * k_scale[None, :], _e4m3(y) * v_scale[None, :]
+            else:
+                x_bad, y_bad = (x & 0x7C) == 0x7C, (y & 0x7C) == 0x7C
+                x, y = _e5m2(x) * k_scale[None, :], _e5m2(y) * v_scale[None, :]
+            bad = tl.sum(tl.sum((x_bad | y_bad | (x != x) | (tl.abs(x) == float("inf")) | (y != y)
                                  | (tl.abs(y) == float("inf"))).to(tl.int32), 1), 0)
             if bad > 0:
                 tl.store(flag, 1)
@@ -278,6 +321,11 @@ def _compiled(interpret: bool, kernel: str = "plan"):
     return triton.jit({"plan": _plan_kernel, "units": _units_kernel, "finish": _finish_kernel}[kernel])
 
 
+if triton is not None:  # the units kernel's helpers: jitted (compiled or interpreted alike) when Triton imports
+    _e4m3 = triton.jit(_e4m3)
+    _e5m2 = triton.jit(_e5m2)
+
+
 def covers(selector, accessors: Sequence[KVAccessor], caches: Sequence[torch.Tensor],
            codecs: Sequence[KVCodec] | None, anchors: Sequence[int], gathers_heads: bool,
            needs_observation: bool) -> bool:
@@ -286,12 +334,47 @@ def covers(selector, accessors: Sequence[KVAccessor], caches: Sequence[torch.Ten
         return False
     if not all(isinstance(a, PagedAccessor) for a in accessors):
         return False
-    if codecs is not None and not all(isinstance(codecs[a], PlainCodec) for a in anchors):
-        return False
     first = caches[anchors[0]]
-    if not first.dtype.is_floating_point or first.element_size() > 4:
+    fp8 = _fp8_mode(codecs, anchors)
+    if fp8 is None or (fp8 == 0 and not (first.dtype.is_floating_point and first.element_size() <= 4)) or (
+            fp8 and first.dtype != torch.uint8):
         return False
     return all(copy_triton._signature(caches[a]) == copy_triton._signature(first) for a in anchors)
+
+
+#: The fp8 element types the units kernel decodes, by its ``FP8`` constant.
+FP8_ELEMENTS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
+
+
+def _fp8_mode(codecs: Sequence[KVCodec] | None, anchors: Sequence[int]) -> int | None:
+    """The units kernel's ``FP8`` for the anchors' codecs: 0 (floating caches), 1 / 2 (fp8, one element type), or
+    ``None`` (a codec or mix it does not decode)."""
+    if codecs is None or all(isinstance(codecs[a], PlainCodec) for a in anchors):
+        return 0
+    elements = {getattr(codecs[a], "element", None) for a in anchors}
+    if len(elements) != 1 or not all(isinstance(codecs[a], Fp8Codec) for a in anchors):
+        return None
+    return FP8_ELEMENTS.get(elements.pop())
+
+
+def _scales(codecs: Sequence[KVCodec], anchors: Sequence[int], heads: int, device: torch.device) -> torch.Tensor:
+    """``float32 [A, 2, H]``: every anchor's key and value scale per head (one launch for tensor scales; scales given
+    as numbers are uploaded once per set of values)."""
+    parts = []
+    for a in anchors:
+        for scale in (codecs[a].k_scale, codecs[a].v_scale):
+            if not isinstance(scale, torch.Tensor):
+                scale = _host_scale(float(scale), device)
+            parts.append(scale.to(torch.float32).reshape(-1).expand(heads))
+    return torch.cat(parts)
+
+
+@functools.cache
+def _host_scale(value: float, device: torch.device) -> torch.Tensor:
+    host = torch.tensor([value], dtype=torch.float32)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
 
 
 def _stacked(held: Sequence, anchors: Sequence[int]):
@@ -313,7 +396,7 @@ def _stacked(held: Sequence, anchors: Sequence[int]):
 
 
 def compress_region_fused(caches: Sequence[torch.Tensor], held: Sequence, batch, setup,
-                          nonfinite: torch.Tensor | None) -> list | None:
+                          nonfinite: torch.Tensor | None, codecs: Sequence[KVCodec] | None = None) -> list | None:
     """:func:`~cords_vllm.compress.step.compress_region` (same arguments, same result) in seven launches.
 
     ``None``, before anything is written (the caller then runs the PyTorch path): the problem exceeds the greedy
@@ -410,12 +493,14 @@ def compress_region_fused(caches: Sequence[torch.Tensor], held: Sequence, batch,
     offsets = copy_triton._device_table(tuple((caches[a].data_ptr() - first.data_ptr()) // first.element_size()
                                   for a in anchors), device)
     scan_programs = cdiv(n_tok, SCAN_ROWS) if scan else 0
+    fp8 = _fp8_mode(codecs, anchors)
+    scales = _scales(codecs, anchors, heads, device) if fp8 else empty_long
     _compiled(interp, "units")[(n_prob, max(m_units, 1) + scan_programs)](
-        first, offsets, batch.src_slots.contiguous(), row_of_rank, unit_start, unit_size, count, region_video,
+        first, offsets, scales, batch.src_slots.contiguous(), row_of_rank, unit_start, unit_size, count,
         feats, kn, vn, seed, valid, k, flag,
         n_tok, max(m_units, 1), hp, heads, head_size, frame_budget, k_max,
         s_block, s_head, s_offset, s_channel,
-        MODE=mode, PER_HEAD=per_head, SCAN=scan, BLOCK_SIZE=block_size,
+        MODE=mode, PER_HEAD=per_head, SCAN=scan, FP8=fp8, BLOCK_SIZE=block_size,
         BLOCK_F=max(16, triton.next_power_of_2(width)), SCAN_T=SCAN_ROWS)
 
     order = greedy_from_units(feats, width, kn, vn, seed, valid, k, k_max, params) if k_max > 0 else empty_long

@@ -1,0 +1,153 @@
+"""Compile the kernels a compression launches for CUDA GPUs, on a machine without one (a CPU stand-in).
+
+Triton's interpreter (how the tests run kernels on CPU) executes a kernel's Python with NumPy: it accepts programs that
+Triton's compiler refuses (a branch whose arms give different types, an op the backend lacks, a block too wide for
+the registers). :class:`LaunchRecorder` records every launch of the kernels that modules build with their
+``_compiled(interpret[, kernel])`` during an interpreted run, and :func:`compile_for_cuda` compiles each one, with the
+argument types and constants of that launch, through Triton's own CUDA pipeline (TTIR, TTGIR, LLVM IR, PTX and
+the ``ptxas`` Triton ships, to a cubin) for given compute capabilities, in a fresh interpreter. Nothing runs on a
+device: this proves the kernels compile as launched, not that they are correct (the interpreted tests do that).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+try:
+    import triton.language as tl
+except ImportError:  # the tests that use this module skip without Triton
+    tl = None
+
+#: Triton's pointer element types of torch dtypes.
+POINTEE = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64",
+           torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
+           torch.bool: "i1"}
+#: Launch keywords that are compiler options, not kernel arguments.
+OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion", "num_ctas")
+
+
+@dataclass
+class Launch:
+    """One launch: the kernel's Python function, its arguments by name, and the compiler options it was given."""
+
+    name: str
+    fn: Any
+    arguments: dict[str, Any]
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def signature(self) -> tuple[dict[str, str], dict[str, Any]]:
+        """Triton's ``(signature, constexprs)`` of this launch: pointer types from the tensors' dtypes, ``i32`` or
+        ``i64`` for integers as Triton's launcher picks, ``fp32`` for floats, constants by value."""
+        params = inspect.signature(self.fn).parameters
+        signature, constants = {}, {}
+        for name, value in self.arguments.items():
+            if "constexpr" in str(params[name].annotation):
+                signature[name] = "constexpr"
+                constants[name] = value
+            elif isinstance(value, torch.Tensor):
+                signature[name] = "*" + POINTEE[value.dtype]
+            elif isinstance(value, bool):
+                signature[name] = "i1"
+            elif isinstance(value, int):
+                signature[name] = "i32" if -2**31 <= value < 2**31 else "i64"
+            elif isinstance(value, float):
+                signature[name] = "fp32"
+            else:
+                raise TypeError(f"{self.name}: argument {name} of type {type(value).__name__}")
+        return signature, constants
+
+    def key(self) -> tuple:
+        signature, constants = self.signature()
+        options = tuple(sorted(self.options.items()))
+        return self.name, tuple(signature.items()), tuple(sorted(constants.items())), options
+
+
+class LaunchRecorder:
+    """Records the launches of the kernels ``modules`` build with ``_compiled(interpret[, kernel])`` (and runs them)."""
+
+    def __init__(self) -> None:
+        self.launches: dict[tuple, Launch] = {}
+
+    def watch(self, monkeypatch: Any, *modules: Any) -> None:
+        recorder = self
+        for module in modules:
+            build = module._compiled
+
+            def recorded(interpret: bool, *which: Any, build: Any = build, name: str = module.__name__) -> Any:
+                kernel = build(interpret, *which)
+                label = ":".join([name.rsplit(".", 1)[-1], *map(str, which)])
+
+                class _Recorded:
+                    def __getitem__(self, grid: Any) -> Any:
+                        def run(*args: Any, **kwargs: Any) -> Any:
+                            fn = kernel.fn
+                            names = list(inspect.signature(fn).parameters)
+                            arguments = dict(zip(names, args, strict=False))
+                            arguments.update({k: v for k, v in kwargs.items() if k not in OPTIONS})
+                            launch = Launch(label, fn, arguments, {k: v for k, v in kwargs.items() if k in OPTIONS})
+                            recorder.launches.setdefault(launch.key(), launch)
+                            return kernel[grid](*args, **kwargs)
+                        return run
+                return _Recorded()
+
+            monkeypatch.setattr(module, "_compiled", recorded)
+
+
+def compile_for_cuda(launches: list[Launch], capabilities: tuple[int, ...] = (80, 90)) -> dict[str, str]:
+    """Compile every launch for CUDA GPUs of each compute capability (``80``: A100, ``90``: H100) down to a cubin, in a
+    fresh interpreter (the running one may have Triton's interpreter on). Returns ``{"<kernel> sm_<cc>": error}``
+    for the ones Triton's compiler refused (empty: all compiled)."""
+    jobs = []
+    for launch in launches:
+        signature, constants = launch.signature()
+        jobs.append({"name": launch.name, "module": launch.fn.__module__, "function": launch.fn.__name__,
+                     "signature": signature, "constants": constants, "options": launch.options})
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", __name__], input=json.dumps({"jobs": jobs, "cc": capabilities}),
+                          capture_output=True, text=True, env=env, timeout=900, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"the compile process failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def mismatched_branches(x_ptr, n, BLOCK: tl.constexpr):
+    """A kernel the interpreter runs and the compiler refuses (its two branches give ``y`` different types): the
+    negative control of :func:`compile_for_cuda`."""
+    i = tl.arange(0, BLOCK)
+    if n > 0:  # noqa: SIM108 (a branch, which is the point)
+        y = tl.load(x_ptr + i)
+    else:
+        y = 0.0
+    tl.store(x_ptr + i, y)
+
+
+def _compile_jobs(request: dict) -> dict[str, str]:
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    failures = {}
+    for job in request["jobs"]:
+        fn = getattr(importlib.import_module(job["module"]), job["function"])
+        for cc in request["cc"]:
+            source = ASTSource(fn=JITFunction(fn), signature=job["signature"], constexprs=job["constants"])
+            try:
+                triton.compile(source, target=GPUTarget("cuda", cc, 32), options=dict(job["options"]))
+            except Exception as error:  # report every refusal, not the first
+                failures[f"{job['name']} sm_{cc}"] = f"{type(error).__name__}: {error}"[-2000:]
+    return failures
+
+
+if __name__ == "__main__":
+    print(json.dumps(_compile_jobs(json.loads(sys.stdin.read()))))

@@ -1,0 +1,53 @@
+"""Every kernel a compression launches compiles for the GPUs the kernels target (A100: sm_80, H100: sm_90), here.
+
+The interpreted tests prove the kernels keep the reference's tokens, but Triton's interpreter runs a kernel's Python
+with NumPy and accepts programs the CUDA compiler refuses. So the launches of real compressions (the fused step at
+every granularity, joint and per head, with and without the non-finite scan; the greedy kernel and the copy of the
+paths the fused step hands back, in every cache dtype) are recorded with their argument types and constants, and each
+is compiled through Triton's CUDA pipeline to a cubin (:mod:`tests.compress.cuda_compile`). No GPU is needed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cords_vllm.compress.copy_triton as copy_triton
+import cords_vllm.compress.step_triton as step_triton
+import cords_vllm.selection.cords_triton as cords_triton
+from tests.compress import test_compress_kernels as kernels_tests
+from tests.compress import test_step_triton as step_tests
+from tests.compress.cuda_compile import Launch, LaunchRecorder, compile_for_cuda, mismatched_branches
+
+triton = pytest.importorskip("triton")
+pytest.importorskip("triton.backends.nvidia")
+
+
+def _recorded(monkeypatch) -> list[Launch]:
+    recorder = LaunchRecorder()
+    recorder.watch(monkeypatch, step_triton, cords_triton, copy_triton)
+    for granularity in ("token", "block", "frame"):
+        for per_head in (False, True):
+            step_tests._compress_twice("triton", 3, "cords", granularity, per_head, (0, 0, 2), 0.25,
+                                       (0, 0) if per_head else None)
+    step_tests._compress_twice("triton", 3, "k_only", "token", False, (0, 0, 0), 0.25)
+    for dtype in (torch.float32, torch.float16, torch.uint8):  # fp8 runs the greedy kernel and the copy alone
+        caches = kernels_tests._caches(2, "NBHC", dtype, shared=True, device="cpu")
+        kernels_tests._run("triton", caches, (0, 0), "token", per_head=False, twice=False)
+    return list(recorder.launches.values())
+
+
+def test_every_launched_kernel_compiles_for_sm80_and_sm90(monkeypatch):
+    launches = _recorded(monkeypatch)
+    names = {launch.name for launch in launches}
+    assert names == {"step_triton:plan", "step_triton:units", "step_triton:finish", "cords_triton", "copy_triton"}
+    assert len(launches) >= 12  # distinct specialisations: modes, scopes, scans, dtypes
+    assert compile_for_cuda(launches) == {}
+
+
+def test_a_kernel_the_compiler_refuses_is_reported():
+    """Negative control: the check reports what the interpreter lets through."""
+    x = torch.zeros(16)
+    triton.jit(mismatched_branches)[(1,)](x, 3, BLOCK=16)  # interpreted on CPU: runs
+    failures = compile_for_cuda([Launch("mismatched", mismatched_branches, {"x_ptr": x, "n": 3, "BLOCK": 16})], (90,))
+    assert list(failures) == ["mismatched sm_90"] and "Mismatched type" in failures["mismatched sm_90"]
