@@ -13,7 +13,9 @@ granularity and anchor set, with each implementation (``--kernels``). Per row:
   (``torch.cuda.set_sync_debug_mode``);
 * ``x floor``: wall time over the copy floor, the region read and the kept tokens written once in every layer at
   the copy bandwidth measured in the same run; ``x torch``: the PyTorch path's wall time over this row's;
-* ``same ids``: every layer keeps exactly the tokens the PyTorch path keeps.
+* ``same ids``: every layer keeps exactly the tokens the PyTorch path keeps;
+* ``path``: what ran on the kernel path: the fused step (:mod:`cords_vllm.compress.step_triton`), or the greedy
+  kernel and the copy around the PyTorch plumbing where the fused step does not cover the case.
 
 It ends with the issue's targets (frame <= 1 ms, block <= 2 ms, token <= 15 ms, anchors [0, 2, 4] <= 1.5x
 anchors [0], <= 1 sync and <= 16 launches per compression), each PASS or MISS, and writes
@@ -38,9 +40,11 @@ from pathlib import Path
 
 import torch
 
+from cords_vllm.compress import step_triton
 from cords_vllm.compress.kv_access import PagedAccessor, slots_of
 from cords_vllm.compress.step import RegionBatch, SelectionSetup, compress_region
 from cords_vllm.compress.unit_choice import AUTO, compression_unit
+from cords_vllm.kernel_backend import kernels_in_force, use_triton
 from cords_vllm.selection import get_selector
 
 #: The issue's targets on an H100-class GPU: wall ms per compression at the default shape.
@@ -91,6 +95,7 @@ class Row:
     launches: int | None
     syncs: int | None
     floor_ms: float
+    path: str = ""
     same_ids: bool | None = None
     x_torch: float | None = None
     notes: list[str] = field(default_factory=list)
@@ -231,7 +236,11 @@ def measure(case: Case, kernels: str, device: torch.device, dtype: torch.dtype, 
         launches, busy_ms = launches - shape.layers, busy_ms - restore_ms
     element = caches[0].element_size()
     floor_bytes = shape.layers * (shape.held + shape.kept) * shape.heads * 2 * shape.head_size * element
-    row = Row(case=case.name, kernels=kernels, held=shape.held, kept=shape.kept,
+    with kernels_in_force(kernels):
+        fused = use_triton(device) and step_triton.covers(setup.selector, accessors, caches, None, setup.anchor_of,
+                                                          False)
+    path = "fused step" if fused else "greedy kernel + copy" if kernels == "triton" else "PyTorch"
+    row = Row(case=case.name, kernels=kernels, held=shape.held, kept=shape.kept, path=path,
               wall_ms=statistics.median(walls), wall_min_ms=min(walls),
               gpu_ms=statistics.median(gpus) if gpus else None, busy_ms=busy_ms, launches=launches, syncs=syncs,
               floor_ms=1e3 * floor_bytes / bandwidth)
@@ -275,10 +284,10 @@ def markdown(rows: list[Row], checks: list[tuple[str, bool | None, str]], header
         return "-" if x is None else format(x, spec)
 
     lines = [f"Device: {header['device']}; copy bandwidth {header['copy_gb_s']:.0f} GB/s (measured).", "",
-             "| case | kernels | wall ms | GPU ms | busy ms | launches | syncs | x floor | x torch | same ids |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| case | kernels | path | wall ms | GPU ms | busy ms | launches | syncs | x floor | x torch | same ids |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r.case} | {r.kernels} | {r.wall_ms:.2f} | {fmt(r.gpu_ms)} | {fmt(r.busy_ms)} | "
+        lines.append(f"| {r.case} | {r.kernels} | {r.path} | {r.wall_ms:.2f} | {fmt(r.gpu_ms)} | {fmt(r.busy_ms)} | "
                      f"{fmt(r.launches, 'd')} | "
                      f"{fmt(r.syncs, 'd')} | {r.wall_ms / r.floor_ms:.0f} | {fmt(r.x_torch, '.1f')} | "
                      f"{'-' if r.same_ids is None else ('yes' if r.same_ids else 'NO')} |")

@@ -55,7 +55,7 @@ from cords_vllm.compress.kv_access import KVAccessor, PagedAccessor, run_view
 from cords_vllm.compress.kv_codec import KVCodec, PlainCodec
 from cords_vllm.compress.tensor_parallel import HeadGather
 from cords_vllm.compress.unit_choice import AUTO
-from cords_vllm.kernel_backend import kernels_in_force, use_triton
+from cords_vllm.kernel_backend import describe, kernels_in_force, use_triton
 from cords_vllm.selection.base import Selector
 from cords_vllm.selection.exact import select_exact
 from cords_vllm.selection.observation import Observation
@@ -394,8 +394,24 @@ def _fused(caches: Sequence[torch.Tensor], accessors: Sequence[KVAccessor], code
         return False
     from cords_vllm.compress.step_triton import covers
 
-    return covers(setup.selector, accessors, caches, codecs, setup.anchors, setup.gather_heads is not None,
-                  setup.selector.needs_observation)
+    return covers(setup.selector, accessors, caches, codecs, setup.anchor_of, setup.gather_heads is not None)
+
+
+def describe_path(caches: Sequence[torch.Tensor], accessors: Sequence[KVAccessor], codecs: Sequence[KVCodec] | None,
+                  setup: SelectionSetup) -> str:
+    """The start-up line's account of what runs a compression: the implementation
+    (:func:`~cords_vllm.kernel_backend.describe`) and, where Triton runs, whether the fused step does
+    (:mod:`~cords_vllm.compress.step_triton`) or why not."""
+    device = caches[0].device
+    with kernels_in_force(setup.kernels):
+        line = describe(device)
+        if not use_triton(device):
+            return line
+        from cords_vllm.compress.step_triton import not_covered
+
+        why = not_covered(setup.selector, accessors, caches, codecs, setup.anchor_of, setup.gather_heads is not None)
+    return f"{line}; fused step: " + ("yes (a fixed number of launches per compression)" if why is None else
+                                       f"no, the greedy kernel and the copy ({why})")
 
 
 def _copy_in_one_launch(caches: Sequence[torch.Tensor], accessors: Sequence[KVAccessor]) -> bool:

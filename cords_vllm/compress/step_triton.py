@@ -326,20 +326,34 @@ if triton is not None:  # the units kernel's helpers: jitted (compiled or interp
     _e5m2 = triton.jit(_e5m2)
 
 
-def covers(selector, accessors: Sequence[KVAccessor], caches: Sequence[torch.Tensor],
-           codecs: Sequence[KVCodec] | None, anchors: Sequence[int], gathers_heads: bool,
-           needs_observation: bool) -> bool:
-    """Whether :func:`compress_region_fused` runs this compression (see the module docstring's "Not covered")."""
-    if selector.greedy_params() is None or gathers_heads or needs_observation:
-        return False
+def not_covered(selector, accessors: Sequence[KVAccessor], caches: Sequence[torch.Tensor],
+                codecs: Sequence[KVCodec] | None, anchor_of: Sequence[int], gathers_heads: bool) -> str | None:
+    """Why :func:`compress_region_fused` does not run an engine's compressions (``None``: it does), for the start-up
+    line and :func:`covers`; see the module docstring's "Not covered"."""
+    anchors = sorted(set(anchor_of))
+    if selector.greedy_params() is None:
+        return (f"{selector.name} with these settings is not the greedy D^2 run the kernels take (cords with the "
+                "max-cosine novelty in the paper's space, k_only, v_only)")
+    if gathers_heads:
+        return "joint selection under tensor parallelism gathers every rank's heads"
     if not all(isinstance(a, PagedAccessor) for a in accessors):
-        return False
+        return "the KV cache is not the paged view of vLLM's GPU attention backends"
     first = caches[anchors[0]]
     fp8 = _fp8_mode(codecs, anchors)
     if fp8 is None or (fp8 == 0 and not (first.dtype.is_floating_point and first.element_size() <= 4)) or (
             fp8 and first.dtype != torch.uint8):
-        return False
-    return all(copy_triton._signature(caches[a]) == copy_triton._signature(first) for a in anchors)
+        return f"a KV cache of {first.dtype} the kernels do not decode"
+    if any(copy_triton._signature(caches[a]) != copy_triton._signature(first) for a in anchors):
+        return "the anchor layers' caches differ in layout"
+    if any(anchor_of[a] != a for a in anchors):
+        return "an anchor layer follows another anchor"
+    return None
+
+
+def covers(selector, accessors: Sequence[KVAccessor], caches: Sequence[torch.Tensor],
+           codecs: Sequence[KVCodec] | None, anchor_of: Sequence[int], gathers_heads: bool) -> bool:
+    """Whether :func:`compress_region_fused` runs this compression (:func:`not_covered` finds no reason)."""
+    return not_covered(selector, accessors, caches, codecs, anchor_of, gathers_heads) is None
 
 
 #: The fp8 element types the units kernel decodes, by its ``FP8`` constant.
@@ -400,13 +414,12 @@ def compress_region_fused(caches: Sequence[torch.Tensor], held: Sequence, batch,
     """:func:`~cords_vllm.compress.step.compress_region` (same arguments, same result) in seven launches.
 
     ``None``, before anything is written (the caller then runs the PyTorch path): the problem exceeds the greedy
-    kernel's limits, or a layer holds other tokens than its anchor (an anchor that follows another anchor, or held
-    tokens not shared the way this step and the reference return them). The caller checks :func:`covers` first."""
+    kernel's limits, or a layer holds other tokens than its anchor (held tokens not shared the way this step and
+    the reference return them). The caller checks :func:`covers` first."""
     from cords_vllm.compress.step import HeldTokens  # the step imports this module lazily
 
     anchors = setup.anchors
-    if any(setup.anchor_of[a] != a for a in anchors) or any(
-            held[layer] is not held[setup.anchor_of[layer]] for layer in range(len(caches))):
+    if any(held[layer] is not held[setup.anchor_of[layer]] for layer in range(len(caches))):
         return None  # a layer holds tokens other than its anchor's: only the reference gathers them per layer
     first = caches[anchors[0]]
     device = first.device

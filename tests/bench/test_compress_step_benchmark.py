@@ -33,8 +33,10 @@ def test_the_benchmark_compares_both_implementations_on_every_case(tmp_path: Pat
     assert len(cases) == 6 and len(rows) == 12
     assert "auto (the default), anchors [0]" in cases
     assert all(r["same_ids"] is True for r in rows if r["kernels"] == "triton")
+    assert {r["path"] for r in rows if r["kernels"] == "triton"} == {"fused step"}  # every case, default cords
+    assert {r["path"] for r in rows if r["kernels"] == "torch"} == {"PyTorch"}
     assert all(r["floor_ms"] > 0 and r["wall_ms"] > 0 for r in rows)
     if device == "cpu":
         assert result["targets"] == []  # the targets are a GPU's; none is claimed on CPU
-    assert "| frame, anchors [0] | triton |" in (tmp_path / "compress_step.md").read_text()
+    assert "| frame, anchors [0] | triton | fused step |" in (tmp_path / "compress_step.md").read_text()
     assert "same ids True" in capsys.readouterr().out

@@ -20,7 +20,7 @@ import torch
 import cords_vllm.compress.step_triton as step_triton
 from cords_vllm.compress.kv_access import PagedAccessor, slots_of
 from cords_vllm.compress.kv_codec import codec_for
-from cords_vllm.compress.step import RegionBatch, SelectionSetup, compress_region
+from cords_vllm.compress.step import RegionBatch, SelectionSetup, compress_region, describe_path
 from cords_vllm.selection import get_selector
 
 pytest.importorskip("triton")
@@ -297,3 +297,19 @@ def test_the_fp8_decoders_are_exact_for_every_byte():
         want = stored.view(element).float()
         same = torch.isnan(want) | (got.view(torch.int32) == want.view(torch.int32))
         assert same.all(), stored[~same]
+
+
+@pytest.mark.parametrize(("policy", "params", "anchor_of", "expected"), [
+    ("cords", {}, (0, 0, 2), "fused step: yes"),
+    ("k_only", {}, (0, 0, 0), "fused step: yes"),
+    ("cords", {"novelty": "exact"}, (0, 0, 0), "fused step: no, the greedy kernel and the copy (cords with these"),
+    ("random", {}, (0, 0, 0), "fused step: no, the greedy kernel and the copy (random with these"),
+    ("cords", {}, (0, 0, 1), "(an anchor layer follows another anchor)"),
+])
+def test_the_start_up_line_says_whether_the_fused_step_runs(policy, params, anchor_of, expected):
+    caches = _caches(0)
+    setup = SelectionSetup(get_selector(policy, **params), "token", False, anchor_of, kernels="triton")
+    line = describe_path(caches, [PagedAccessor.of(caches[0], D)] * LAYERS, None, setup)
+    assert line.startswith("Triton kernels (kernels=triton, from kv_policy_config 'kernels'); ") and expected in line
+    torch_setup = SelectionSetup(get_selector(policy, **params), "token", False, anchor_of, kernels="torch")
+    assert "fused" not in describe_path(caches, [PagedAccessor.of(caches[0], D)] * LAYERS, None, torch_setup)

@@ -2,7 +2,8 @@
 
 On CPU the Triton kernels run under Triton's interpreter (``tests/conftest.py`` sets ``TRITON_INTERPRET=1`` where
 no GPU is): ``kernels="triton"`` drives the real engine through the greedy kernel (the CPU cache's packed tiles
-take the PyTorch copy), against ``kernels="torch"``, the reference. ``auto`` on CPU is the reference.
+take the PyTorch copy, and the fused step, which reads the GPU backends' paged view, says it does not run), against
+``kernels="torch"``, the reference. ``auto`` on CPU is the reference.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def test_the_kernels_key_reaches_the_workers_and_both_paths_keep_the_same_tokens
         worker_log.setLevel(level)
     log = "\n".join(lines.lines)
     assert re.search(r"compress step on \S+: PyTorch reference \(forced; kernels=torch", log)
-    assert re.search(r"compress step on \S+: Triton kernels \(kernels=triton, from kv_policy_config 'kernels'\)", log)
+    assert re.search(r"compress step on \S+: Triton kernels \(kernels=triton, from kv_policy_config 'kernels'\); "
+                     r"fused step: no, the greedy kernel and the copy \(the KV cache is not the paged view", log)
     torch_run, triton_run = runs["torch"], runs["triton"]
     assert torch_run.compressions >= 2 and triton_run.compressions == torch_run.compressions
     assert [e.kept_logical for e in triton_run.events] != []

@@ -44,7 +44,7 @@ from cords_vllm.compress.frames import frame_sizes, layout_labels
 from cords_vllm.compress.kv_access import KVAccessor, slots_of
 from cords_vllm.compress.kv_codec import KVCodec, check_kv_cache_dtype
 from cords_vllm.compress.plan import NULL_BLOCK_ID, CompressionPlan, RebasePlan
-from cords_vllm.compress.step import RegionBatch, SelectionSetup, compress_region
+from cords_vllm.compress.step import RegionBatch, SelectionSetup, compress_region, describe_path
 from cords_vllm.compress.transfer import upload
 from cords_vllm.compress.unit_choice import AUTO, compression_unit
 from cords_vllm.config import KVPolicyConfig
@@ -63,7 +63,6 @@ from cords_vllm.integration.worker.query_capture import QueryCapture
 from cords_vllm.integration.worker.tensor_parallel import tp_head_gatherer
 from cords_vllm.integration.worker.timing import CompressionTimer
 from cords_vllm.integration.worker.tracker import WorkerRequest
-from cords_vllm.kernel_backend import describe, kernels_in_force
 from cords_vllm.model_facts import FRAMES_FROM_LAYOUT
 from cords_vllm.selection import get_selector
 from cords_vllm.threads import intra_op_threads
@@ -150,8 +149,8 @@ class WorkerCompressor:
             per_head=config.per_head, anchor_of=anchor_of,
             gather_heads=None if config.per_head else tp_head_gatherer(runner, self.accessors[0].num_kv_heads),
             kernels=config.kernels)
-        with kernels_in_force(config.kernels):
-            logger.info("cords-vllm: compress step on %s: %s", self.device, describe(self.device))
+        logger.info("cords-vllm: compress step on %s: %s", self.device,
+                    describe_path(self.caches, self.accessors, self.codecs, self.setup))
         self.requests: dict[str, WorkerRequest] = {}
         #: The queries an attention-scored policy observes (``None`` for the others).
         self.capture = self._query_capture(runner, modules) if self.setup.selector.needs_observation else None
