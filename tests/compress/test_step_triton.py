@@ -141,8 +141,9 @@ def _codecs(kv_dtype: str) -> list | None:
 
 def _compress_twice(kernels: str, seed: int, policy: str, granularity: str, per_head: bool,
                     anchors: tuple[int, ...], fraction: float, nan_at: tuple[int, int] | None = None,
-                    kv_dtype: str = "bfloat16"):
-    """Both compressions of one random stream; per compression the held tokens, caches and non-finite count."""
+                    kv_dtype: str = "bfloat16", then: str | None = None):
+    """Both compressions of one random stream; per compression the held tokens, caches and non-finite count.
+    ``then``: the second compression's ``kernels``, when it differs from the first's."""
     g = torch.Generator().manual_seed(seed)
     stream = _stream(g, frame=int(torch.randint(9, 14, (1,), generator=g)))
     block_ids = torch.randperm(NUM_BLOCKS, generator=g)
@@ -164,6 +165,8 @@ def _compress_twice(kernels: str, seed: int, policy: str, granularity: str, per_
     second = _batch(stream, granularity, held[0].ids[0].cpu(), int(held[0].candidates[0].sum()), region * BS, 4,
                     block_ids, g, fraction)
     if second is not None:
+        if then is not None:
+            setup = dataclasses.replace(setup, kernels=then)
         held = compress_region(caches, accessors, held, _on(second), setup, nonfinite=nonfinite, codecs=codecs)
         out.append(([(h.ids.cpu(), h.candidates.cpu(), None if h.labels is None else h.labels.cpu()) for h in held],
                     [c.cpu().clone() for c in caches], int(nonfinite)))
@@ -213,6 +216,17 @@ def test_non_finite_entries_are_read_as_zero_and_counted_once(nan_at, kv_dtype):
     got = _compress_twice("triton", 11, "cords", "token", False, (0, 0, 0), 0.25, nan_at, kv_dtype)
     _assert_same(ref, got)
     assert got[0][2] == 1 and got[-1][2] >= 1
+
+
+@pytest.mark.parametrize("granularity", ["block", "frame"])
+@pytest.mark.parametrize("per_head", [False, True])
+def test_tokens_held_by_one_path_are_compressed_by_the_other(granularity, per_head):
+    """A first compression on the PyTorch path (per-layer held tokens, which the fused step stacks) then one on the
+    fused step, and the other way round (the fused step's views, which the reference reads per layer)."""
+    ref = _compress_twice("torch", 5, "cords", granularity, per_head, (0, 0, 2), 0.25)
+    assert len(ref) == 2
+    for first, then in (("torch", "triton"), ("triton", "torch")):
+        _assert_same(ref, _compress_twice(first, 5, "cords", granularity, per_head, (0, 0, 2), 0.25, then=then))
 
 
 @pytest.mark.parametrize("kv_dtype", list(FP8))
