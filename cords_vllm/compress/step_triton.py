@@ -11,7 +11,8 @@ tokens' gathers), this one runs seven launches whatever the granularity, layer c
    (previously held, then entering), the recent window's protection, and the *units* the policy ranks: candidate
    tokens, full runs of ``group_size`` candidates (``block``), or labelled frames (``frame``: the edge frame kept
    whole when it is cut short, the other frames as units, and the fewest frames any choice of which holds the
-   budget, :func:`~cords_vllm.selection.exact._frames_holding`'s rule).
+   budget, :func:`~cords_vllm.selection.exact._frames_holding`'s rule, found by bisection over frame sizes rather
+   than by sorting them).
 2. :func:`_units_kernel`, one program per (problem, unit): the unit's mean key and value, read from the paged cache
    of its anchor layer (every anchor from one base pointer, as the copy addresses layers), non-finite entries read
    as 0, and its norms. Extra programs scan the whole region for non-finite entries when a counter is given.
@@ -145,10 +146,22 @@ def _plan_kernel(held_ids, held_video, held_labels, hs_a, hs_h, new_ids, new_lab
         nxt = tl.load(unit_start + row + u + 1, mask=u + 1 < count, other=0)
         size = tl.where(u + 1 < count, nxt, n_elig) - start
         tl.store(unit_size + row + u, size, mask=u < count)
-        # The fewest frames any choice of which holds `still` tokens: the smallest frames' sizes reach it.
-        smallest = tl.sort(tl.where(u < count, size, n_tok + 1))
-        prefix = tl.cumsum(tl.where(smallest <= n_tok, smallest, 0), 0)
-        holding = tl.minimum(tl.sum((prefix < still).to(tl.int32), 0) + 1, count)
+        # The fewest frames any choice of which holds `still` tokens: as many of the smallest frames as reach it.
+        # Without a sort (whose network takes a minute to compile at a 7B region's width): the smallest size v
+        # whose frames up to that size hold `still` (a bisection), the frames below it, and of size v what is left.
+        sizes = tl.where(u < count, size, 0)
+        lo = tl.max(sizes, 0) * 0 + 1
+        hi = tl.maximum(tl.max(sizes, 0), 1)
+        for _ in range(0, 16):  # sizes below 65,536 tokens
+            mid = (lo + hi) // 2
+            enough = tl.sum(tl.where(sizes <= mid, sizes, 0), 0) >= still
+            searching = lo < hi
+            hi = tl.where(searching & enough, mid, hi)
+            lo = tl.where(searching & ~enough, mid + 1, lo)
+        below = (sizes > 0) & (sizes < lo)
+        holding = tl.sum(below.to(tl.int32), 0) + (still - tl.sum(tl.where(below, sizes, 0), 0) + lo - 1) // lo
+        holding = tl.where(tl.sum(sizes, 0) < still, count, holding)
+        holding = tl.minimum(tl.where(still <= 0, 1, holding), count)
         tl.store(stats + 2 * p, count)
         tl.store(stats + 2 * p + 1, holding)
     tl.store(unit_of + row + t, unit, mask=inside)
@@ -313,6 +326,12 @@ def _finish_kernel(order, k_in, still_in, count_in, elig_rank, unit_of, unit_sta
     if SCAN:  # noqa: SIM102 (Triton: a constexpr branch around a runtime one)
         if p == 0:
             tl.store(nonfinite, tl.load(nonfinite) + tl.load(flag).to(tl.int64))
+
+
+def _row_warps(block_t: int) -> int:
+    """Warps of the plan and finish programs, which hold a region's rows: enough that each thread holds at most 64
+    of a vector (a 7B model's 7,744-token region: 16 warps). Not yet tuned on a GPU."""
+    return min(16, max(4, block_t // (32 * 64)))
 
 
 @functools.cache
@@ -481,7 +500,7 @@ def compress_region_fused(caches: Sequence[torch.Tensor], held: Sequence, batch,
         spans, spans.shape[0], region_ids, region_video, region_labels, elig_rank, unit_of, row_of_rank,
         unit_start, unit_size, protect, count, still, stats, flag,
         n_prev, n_tok, hp, batch.num_recent, need, group or 1,
-        MODE=mode, LABELS=labels, BLOCK_T=block_t)
+        MODE=mode, LABELS=labels, BLOCK_T=block_t, num_warps=_row_warps(block_t))
 
     frame_budget = 0
     if mode == FRAME:  # the compression's one host read: the most frames of a problem, and the frame budget
@@ -527,7 +546,8 @@ def compress_region_fused(caches: Sequence[torch.Tensor], held: Sequence, batch,
         region_ids, region_video, region_labels, kept_count, positions, out_ids, out_video, out_labels,
         flag, nonfinite if scan else empty_long,
         n_tok, max(m_units, 1), k_max, num_keep,
-        LABELS=labels, SCAN=scan, BLOCK_T=block_t, BLOCK_K=max(16, triton.next_power_of_2(max(k_max, 1))))
+        LABELS=labels, SCAN=scan, BLOCK_T=block_t, BLOCK_K=max(16, triton.next_power_of_2(max(k_max, 1))),
+        num_warps=_row_warps(block_t))
 
     positions = positions.expand(n_anchor, heads, num_keep)
     row_of = {a: i for i, a in enumerate(anchors)}

@@ -9,6 +9,8 @@ is compiled through Triton's CUDA pipeline to a cubin (:mod:`tests.compress.cuda
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -37,12 +39,31 @@ def _recorded(monkeypatch) -> list[Launch]:
     return list(recorder.launches.values())
 
 
+def _at_7b_widths(launches: list[Launch]) -> list[Launch]:
+    """The row-wide programs again at a 7B model's region (7,744 tokens: 8,192 lanes, their warps) and head width
+    (4 heads x 128: 512 lanes), which the interpreted runs' small shapes do not reach."""
+    wide = []
+    for launch in launches:
+        if launch.name in ("step_triton:plan", "step_triton:finish"):
+            wide.append(dataclasses.replace(launch, arguments={**launch.arguments, "BLOCK_T": 8192},
+                                            options={**launch.options, "num_warps": step_triton._row_warps(8192)}))
+        elif launch.name == "step_triton:units":
+            wide.append(dataclasses.replace(launch, arguments={**launch.arguments, "BLOCK_F": 512}))
+    return wide
+
+
 def test_every_launched_kernel_compiles_for_sm80_and_sm90(monkeypatch):
     launches = _recorded(monkeypatch)
     names = {launch.name for launch in launches}
     assert names == {"step_triton:plan", "step_triton:units", "step_triton:finish", "cords_triton", "copy_triton"}
     assert len(launches) >= 12  # distinct specialisations: modes, scopes, scans, dtypes
     assert compile_for_cuda(launches) == {}
+
+
+@pytest.mark.slow
+def test_the_row_wide_kernels_compile_at_a_7b_models_widths(monkeypatch):
+    """About a minute on 2 cores (the GPU compiles them once per width, cached on disk): in the slow suite."""
+    assert compile_for_cuda(_at_7b_widths(_recorded(monkeypatch))) == {}
 
 
 def test_a_kernel_the_compiler_refuses_is_reported():

@@ -25,6 +25,7 @@ from cords_vllm.selection import get_selector
 
 pytest.importorskip("triton")
 tl = step_triton.tl
+triton = step_triton.triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HEADS, BS, D, LAYERS, NUM_BLOCKS = 2, 8, 8, 3, 48
@@ -327,3 +328,44 @@ def test_the_start_up_line_says_whether_the_fused_step_runs(policy, params, anch
     assert line.startswith("Triton kernels (kernels=triton, from kv_policy_config 'kernels'); ") and expected in line
     torch_setup = SelectionSetup(get_selector(policy, **params), "token", False, anchor_of, kernels="torch")
     assert "fused" not in describe_path(caches, [PagedAccessor.of(caches[0], D)] * LAYERS, None, torch_setup)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_frame_budget_is_the_references_on_frames_of_every_size(seed):
+    """The plan kernel's frame count and frame budget (a bisection over frame sizes) against
+    :func:`~cords_vllm.selection.exact._frames_holding` (a sort), on frames of random sizes, budgets from none to
+    more than the frames hold, with the edge frame kept whole or not."""
+    if torch.cuda.is_available():
+        pytest.skip("runs interpreted on CPU")
+    from cords_vllm.selection.exact import _frames_holding
+    from cords_vllm.selection.granularity import labelled_group_ids
+
+    g = torch.Generator().manual_seed(seed)
+    group = int(torch.randint(2, 40, (1,), generator=g))
+    sizes = torch.randint(1, group + 1, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g)
+    labels = torch.repeat_interleave(torch.arange(1, sizes.numel() + 1), sizes)
+    n = labels.numel()
+    for need in sorted({0, 1, int(torch.randint(0, n, (1,), generator=g)), n - 1}):
+        if need >= n:
+            continue
+        edge = labels == labels.max()
+        n_edge = int(edge.sum())
+        if not (n_edge < group and n_edge < need):
+            edge = torch.zeros_like(edge)
+        rest = ~edge
+        gid, count = labelled_group_ids(labels[None], rest[None], group)
+        want = (int(count[0]), int(_frames_holding(gid, count, torch.tensor([need - int(edge.sum())]))))
+
+        def buf(dtype):
+            return torch.empty(1, n, dtype=dtype)
+
+        stats, count_out, still = torch.empty(1, 2, dtype=torch.int32), torch.empty(1, dtype=torch.int32), \
+            torch.empty(1, dtype=torch.int32)
+        empty = torch.empty(1, dtype=torch.long)
+        step_triton._compiled(True, "plan")[(1,)](
+            empty, empty, empty, 0, 0, torch.arange(n), labels, torch.tensor([[0, n]]), 1,
+            buf(torch.long), buf(torch.bool), buf(torch.long), buf(torch.int32), buf(torch.int32), buf(torch.int32),
+            buf(torch.int32), buf(torch.int32), buf(torch.bool), count_out, still, stats,
+            torch.empty(1, dtype=torch.int32), 0, n, 1, 0, need, group,
+            MODE=step_triton.FRAME, LABELS=True, BLOCK_T=triton.next_power_of_2(max(n, 16)))
+        assert tuple(stats[0].tolist()) == want, (sizes.tolist(), need)
