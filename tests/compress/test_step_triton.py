@@ -187,9 +187,14 @@ def _assert_same(ref, got) -> None:
         assert ref_bad == bad
 
 
-@pytest.mark.parametrize("granularity", ["token", "block", "frame"])
-@pytest.mark.parametrize("per_head", [False, True])
-@pytest.mark.parametrize("policy", list(POLICIES))
+#: ``cords`` at every granularity and scope; each setting that switches off some of the greedy kernel's terms at two
+#: of them, rotating (the terms do not depend on the unit), so that every granularity and scope meets several.
+MATRIX = [("cords", g, h) for g in ("token", "block", "frame") for h in (False, True)] + [
+    (policy, ("token", "block", "frame")[(i + j) % 3], bool((i + j) % 2))
+    for i, policy in enumerate(p for p in POLICIES if p != "cords") for j in (0, 1)]
+
+
+@pytest.mark.parametrize(("policy", "granularity", "per_head"), MATRIX)
 def test_the_fused_step_keeps_what_the_reference_keeps(policy, granularity, per_head):
     seed = 7 * len(policy) + 3 * per_head + {"token": 0, "block": 1, "frame": 2}[granularity]
     anchors = (0, 0, 2) if seed % 2 else (0, 0, 0)
@@ -198,7 +203,7 @@ def test_the_fused_step_keeps_what_the_reference_keeps(policy, granularity, per_
                  _compress_twice("triton", seed, policy, granularity, per_head, anchors, fraction))
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("granularity", ["block", "runs", "frame"])
 def test_budgets_from_none_to_nearly_every_candidate(seed, granularity):
     """Budgets of little video, and budgets that cover every frame or run (every unit kept, trimmed to the oldest
@@ -230,9 +235,9 @@ def test_tokens_held_by_one_path_are_compressed_by_the_other(granularity, per_he
         _assert_same(ref, _compress_twice(first, 5, "cords", granularity, per_head, (0, 0, 2), 0.25, then=then))
 
 
-@pytest.mark.parametrize("kv_dtype", list(FP8))
-@pytest.mark.parametrize("granularity", ["token", "frame"])
-@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize(("kv_dtype", "granularity", "per_head"), [
+    ("fp8_e4m3", "token", False), ("fp8_e4m3", "frame", True), ("fp8_e5m2", "block", True),
+    ("fp8_e5m2", "frame", False)])
 def test_fp8_caches_are_decoded_with_their_scales(monkeypatch, kv_dtype, granularity, per_head):
     """fp8 caches: the kernel decodes the bytes with every anchor's scales (per head on layer 0, numbers on layer 2)
     as the codec does, and the copy moves the bytes."""
