@@ -43,6 +43,7 @@ kernel decodes their bytes with the layers' scales, as :class:`~cords_vllm.compr
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Sequence
 
 import torch
@@ -60,10 +61,15 @@ try:
 except ImportError:
     triton = tl = None
 
+logger = logging.getLogger(__name__)
+
 #: Unit modes of :func:`_plan_kernel`: candidate tokens, fixed runs of ``group_size`` candidates, labelled frames.
 TOKEN, BLOCK, FRAME = 0, 1, 2
 #: Region rows each non-finite scanning program reads.
 SCAN_ROWS = 64
+#: The most rows a region may have on the fused step: the plan and finish programs hold a region's rows in one
+#: program (a 7B model's default region is 7,744). Larger regions run the PyTorch plumbing around the kernels.
+MAX_ROWS = 32768
 
 
 def _plan_kernel(held_ids, held_video, held_labels, hs_a, hs_h, new_ids, new_labels, spans, n_spans,
@@ -364,6 +370,8 @@ def not_covered(selector, accessors: Sequence[KVAccessor], caches: Sequence[torc
         return f"a KV cache of {first.dtype} the kernels do not decode"
     if any(copy_triton._signature(caches[a]) != copy_triton._signature(first) for a in anchors):
         return "the anchor layers' caches differ in layout"
+    if any((caches[a].data_ptr() - first.data_ptr()) % first.element_size() for a in anchors):
+        return "the anchor layers' caches are not element-aligned with each other"
     if any(anchor_of[a] != a for a in anchors):
         return "an anchor layer follows another anchor"
     return None
@@ -410,6 +418,13 @@ def _host_scale(value: float, device: torch.device) -> torch.Tensor:
     return host.to(device, non_blocking=True)
 
 
+@functools.cache
+def _handed_back(reason: str) -> None:
+    """Say once per reason that a compression ran the PyTorch plumbing instead of the fused step; returns ``None``
+    (what :func:`compress_region_fused` returns then)."""
+    logger.info("cords-vllm: a compression ran the greedy kernel and the copy, not the fused step: %s", reason)
+
+
 def _stacked(held: Sequence, anchors: Sequence[int]):
     """Every anchor's held tokens as ``[A, H', n]`` tensors (ids, video, labels or ``None``): the views this module
     returned last time, read in place, else stacked."""
@@ -432,14 +447,14 @@ def compress_region_fused(caches: Sequence[torch.Tensor], held: Sequence, batch,
                           nonfinite: torch.Tensor | None, codecs: Sequence[KVCodec] | None = None) -> list | None:
     """:func:`~cords_vllm.compress.step.compress_region` (same arguments, same result) in seven launches.
 
-    ``None``, before anything is written (the caller then runs the PyTorch path): the problem exceeds the greedy
-    kernel's limits, or a layer holds other tokens than its anchor (held tokens not shared the way this step and
-    the reference return them). The caller checks :func:`covers` first."""
+    ``None``, before anything is written (the caller then runs the PyTorch path): the region exceeds
+    :data:`MAX_ROWS` or the problem the greedy kernel's limits, or a layer holds other tokens than its anchor (held
+    tokens not shared the way this step and the reference return them). The caller checks :func:`covers` first."""
     from cords_vllm.compress.step import HeldTokens  # the step imports this module lazily
 
     anchors = setup.anchors
     if any(held[layer] is not held[setup.anchor_of[layer]] for layer in range(len(caches))):
-        return None  # a layer holds tokens other than its anchor's: only the reference gathers them per layer
+        return _handed_back("a layer holds other tokens than its anchor")  # only the reference gathers per layer
     first = caches[anchors[0]]
     device = first.device
     _, heads, block_size, channels = first.shape
@@ -457,6 +472,8 @@ def compress_region_fused(caches: Sequence[torch.Tensor], held: Sequence, batch,
     width = heads * head_size if not per_head else head_size
     n_prev = 0 if held[anchors[0]] is None else held[anchors[0]].ids.shape[1]
     n_tok = n_prev + batch.new_ids.shape[0]
+    if n_tok > MAX_ROWS:
+        return _handed_back(f"a region of more than {MAX_ROWS} rows")
     empty_long = torch.empty(1, dtype=torch.long, device=device)
     if n_prev:
         h_ids, h_video, h_labels = _stacked(held, anchors)
@@ -479,7 +496,7 @@ def compress_region_fused(caches: Sequence[torch.Tensor], held: Sequence, batch,
     else:
         mode = BLOCK
     if mode != FRAME and (n_cand if mode == TOKEN else n_cand // group) > MAX_UNITS:
-        return None
+        return _handed_back(f"more than {MAX_UNITS} units")
 
     def buf(dtype: torch.dtype, *shape: int) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device=device)
@@ -514,7 +531,7 @@ def compress_region_fused(caches: Sequence[torch.Tensor], held: Sequence, batch,
     else:
         m_units, k_max = n_cand, need  # need < n_cand: never a covering budget
     if m_units > MAX_UNITS or n_prob * m_units * m_units * 8 > GRAM_LIMIT_BYTES:
-        return None
+        return _handed_back(f"more than {MAX_UNITS} units or {GRAM_LIMIT_BYTES >> 30} GiB of Gram matrices")
 
     params = setup.selector.greedy_params()
     feats = buf(torch.float32, n_prob, max(m_units, 1), 2 * width)
@@ -522,8 +539,8 @@ def compress_region_fused(caches: Sequence[torch.Tensor], held: Sequence, batch,
     valid, k = buf(torch.int8, n_prob, max(m_units, 1)), buf(torch.long, n_prob)
     scan = nonfinite is not None
     s_block, s_head, s_offset, s_channel = first.stride()
-    offsets = copy_triton._device_table(tuple((caches[a].data_ptr() - first.data_ptr()) // first.element_size()
-                                  for a in anchors), device)
+    starts = tuple((caches[a].data_ptr() - first.data_ptr()) // first.element_size() for a in anchors)
+    offsets = copy_triton._device_table(starts, device)  # element offsets of the anchors' caches, made once
     scan_programs = cdiv(n_tok, SCAN_ROWS) if scan else 0
     fp8 = _fp8_mode(codecs, anchors)
     scales = _scales(codecs, anchors, heads, device) if fp8 else empty_long

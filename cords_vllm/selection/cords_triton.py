@@ -216,7 +216,7 @@ def greedy_from_units(feats: torch.Tensor, key_dim: int, kn: torch.Tensor, vn: t
     use_ko, use_vo = use_orth and eta > 0.0, use_orth and eta < 1.0
     need_k, need_v = use_kd or use_ko, use_vd or use_vo
     keys, values = feats[..., :key_dim], feats[..., key_dim:]
-    empty = feats.new_zeros((1,)) if not (need_k and need_v) else None
+    empty = feats.new_empty((1,)) if not (need_k and need_v) else None  # never read: the kernel skips its terms
     with _ieee_fp32():
         gk = torch.bmm(keys, keys.transpose(1, 2)) if need_k else empty
         gv = torch.bmm(values, values.transpose(1, 2)) if need_v else empty

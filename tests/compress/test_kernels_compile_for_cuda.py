@@ -17,7 +17,6 @@ import torch
 import cords_vllm.compress.copy_triton as copy_triton
 import cords_vllm.compress.step_triton as step_triton
 import cords_vllm.selection.cords_triton as cords_triton
-from tests.compress import test_compress_kernels as kernels_tests
 from tests.compress import test_step_triton as step_tests
 from tests.compress.cuda_compile import Launch, LaunchRecorder, compile_for_cuda, mismatched_branches
 
@@ -26,16 +25,22 @@ pytest.importorskip("triton.backends.nvidia")
 
 
 def _recorded(monkeypatch) -> list[Launch]:
+    """Launches covering every specialisation: the fused step's three modes, joint and per head, with and without the
+    non-finite scan, floating and both fp8 caches; the greedy kernel and the copy of the path the fused step hands
+    back (a policy setting it does not cover)."""
     recorder = LaunchRecorder()
     recorder.watch(monkeypatch, step_triton, cords_triton, copy_triton)
-    for granularity in ("token", "block", "frame"):
-        for per_head in (False, True):
-            step_tests._compress_twice("triton", 3, "cords", granularity, per_head, (0, 0, 2), 0.25,
-                                       (0, 0) if per_head else None)
+    runs = [("token", False, (0, 0), "bfloat16"), ("block", True, None, "bfloat16"), ("frame", False, None, "fp8_e5m2"),
+            ("frame", True, (0, 0), "fp8_e4m3"), ("token", True, None, "fp8_e4m3")]
+    for granularity, per_head, nan_at, kv_dtype in runs:
+        step_tests._compress_twice("triton", 3, "cords", granularity, per_head, (0, 0, 2), 0.25, nan_at, kv_dtype)
     step_tests._compress_twice("triton", 3, "k_only", "token", False, (0, 0, 0), 0.25)
-    for dtype in (torch.float32, torch.float16, torch.uint8):  # fp8 runs the greedy kernel and the copy alone
-        caches = kernels_tests._caches(2, "NBHC", dtype, shared=True, device="cpu")
-        kernels_tests._run("triton", caches, (0, 0), "token", per_head=False, twice=False)
+    step_tests.POLICIES["custom"] = {"space": "normalized"}  # not covered: the greedy kernel and the copy
+    try:
+        for kv_dtype in ("bfloat16", "fp8_e4m3"):
+            step_tests._compress_twice("triton", 3, "custom", "token", False, (0, 0, 0), 0.25, kv_dtype=kv_dtype)
+    finally:
+        del step_tests.POLICIES["custom"]
     return list(recorder.launches.values())
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import inspect
+import logging
 
 import pytest
 import torch
@@ -204,7 +205,7 @@ def test_the_fused_step_keeps_what_the_reference_keeps(policy, granularity, per_
 
 
 @pytest.mark.parametrize("seed", range(3))
-@pytest.mark.parametrize("granularity", ["block", "runs", "frame"])
+@pytest.mark.parametrize("granularity", ["runs", "frame"])
 def test_budgets_from_none_to_nearly_every_candidate(seed, granularity):
     """Budgets of little video, and budgets that cover every frame or run (every unit kept, trimmed to the oldest
     candidates: runs longer than a block, as ``granularity: auto`` picks, and frames), on random streams."""
@@ -268,6 +269,21 @@ def test_the_fused_path_runs_and_hands_back_what_it_does_not_cover(monkeypatch):
             del POLICIES["custom"]
         assert not calls
         _assert_same(ref, got)
+
+
+def test_a_region_past_the_fused_steps_rows_is_handed_back_and_said(monkeypatch, caplog):
+    """A region wider than :data:`~cords_vllm.compress.step_triton.MAX_ROWS` runs the greedy kernel and the copy
+    (the same tokens), and the log says why, once."""
+    monkeypatch.setattr(step_triton, "MAX_ROWS", 64)
+    step_triton._handed_back.cache_clear()
+    ref = _compress_twice("torch", 1, "cords", "frame", False, (0, 0, 0), 0.25)
+    with caplog.at_level(logging.INFO, logger=step_triton.__name__):
+        got = _compress_twice("triton", 1, "cords", "frame", False, (0, 0, 0), 0.25)
+    _assert_same(ref, got)
+    said = [r.getMessage() for r in caplog.records if "not the fused step" in r.getMessage()]
+    assert said == ["cords-vllm: a compression ran the greedy kernel and the copy, not the fused step: a region of "
+                    "more than 64 rows"]
+    step_triton._handed_back.cache_clear()
 
 
 def test_a_trim_that_keeps_the_newest_tokens_of_a_frame_is_caught(monkeypatch, tmp_path):
