@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from tests.compress.device_audit import watch_launches
+
 try:
     import triton.language as tl
 except ImportError:  # the tests that use this module skip without Triton
@@ -77,28 +79,15 @@ class LaunchRecorder:
         self.launches: dict[tuple, Launch] = {}
 
     def watch(self, monkeypatch: Any, *modules: Any) -> None:
-        recorder = self
-        for module in modules:
-            build = module._compiled
+        def run(label: str, kernel: Any, grid: Any, args: tuple, kwargs: dict) -> Any:
+            names = list(inspect.signature(kernel.fn).parameters)
+            arguments = dict(zip(names, args, strict=False))
+            arguments.update({k: v for k, v in kwargs.items() if k not in OPTIONS})
+            launch = Launch(label, kernel.fn, arguments, {k: v for k, v in kwargs.items() if k in OPTIONS})
+            self.launches.setdefault(launch.key(), launch)
+            return kernel[grid](*args, **kwargs)
 
-            def recorded(interpret: bool, *which: Any, build: Any = build, name: str = module.__name__) -> Any:
-                kernel = build(interpret, *which)
-                label = ":".join([name.rsplit(".", 1)[-1], *map(str, which)])
-
-                class _Recorded:
-                    def __getitem__(self, grid: Any) -> Any:
-                        def run(*args: Any, **kwargs: Any) -> Any:
-                            fn = kernel.fn
-                            names = list(inspect.signature(fn).parameters)
-                            arguments = dict(zip(names, args, strict=False))
-                            arguments.update({k: v for k, v in kwargs.items() if k not in OPTIONS})
-                            launch = Launch(label, fn, arguments, {k: v for k, v in kwargs.items() if k in OPTIONS})
-                            recorder.launches.setdefault(launch.key(), launch)
-                            return kernel[grid](*args, **kwargs)
-                        return run
-                return _Recorded()
-
-            monkeypatch.setattr(module, "_compiled", recorded)
+        watch_launches(monkeypatch, modules, run)
 
 
 def compile_for_cuda(launches: list[Launch], capabilities: tuple[int, ...] = (80, 90)) -> dict[str, str]:

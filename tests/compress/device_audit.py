@@ -186,25 +186,12 @@ class HostSyncCounter:
     def watch_triton(self, monkeypatch: Any, *modules: Any) -> None:
         """Count each launch of the kernels that ``modules`` build with their ``_compiled(interpret[, kernel])`` as one,
         running it outside the counter (the interpreter's own tensor traffic is not a launch on CUDA)."""
-        owner = self
-        for module in modules:
-            build = getattr(module._compiled, "unwatched", module._compiled)  # watched again: count once
+        def run(label: str, kernel: Any, grid: Any, args: tuple, kwargs: dict) -> Any:
+            self.launch_names.append(f"triton:{label}")
+            with _disable_current_modes():
+                return kernel[grid](*args, **kwargs)
 
-            def counted(interpret: bool, *which: Any, build: Any = build, name: str = module.__name__) -> Any:
-                kernel = build(interpret, *which)
-                label = ":".join([name.rsplit(".", 1)[-1], *map(str, which)])
-
-                class _Counted:
-                    def __getitem__(self, grid: Any) -> Any:
-                        def run(*args: Any, **kwargs: Any) -> Any:
-                            owner.launch_names.append(f"triton:{label}")
-                            with _disable_current_modes():
-                                return kernel[grid](*args, **kwargs)
-                        return run
-                return _Counted()
-
-            counted.unwatched = build  # type: ignore[attr-defined]
-            monkeypatch.setattr(module, "_compiled", counted)
+        watch_launches(monkeypatch, modules, run)
 
     def __enter__(self) -> HostSyncCounter:
         self._functions.__enter__()
@@ -214,3 +201,23 @@ class HostSyncCounter:
     def __exit__(self, *exc: object) -> None:
         self._dispatch.__exit__(*exc)
         self._functions.__exit__(*exc)
+
+
+def watch_launches(monkeypatch: Any, modules: Any, run: Any) -> None:
+    """Route every launch ``kernel[grid](*args, **kwargs)`` of the kernels ``modules`` build with their
+    ``_compiled(interpret[, kernel])`` through ``run(label, kernel, grid, args, kwargs)``, which launches it
+    (``label``: ``"<module>[:<kernel>]"``). A module watched again keeps one layer of watching."""
+    for module in modules:
+        build = getattr(module._compiled, "unwatched", module._compiled)
+
+        def watched(interpret: bool, *which: Any, build: Any = build, name: str = module.__name__) -> Any:
+            kernel = build(interpret, *which)
+            label = ":".join([name.rsplit(".", 1)[-1], *map(str, which)])
+
+            class _Watched:
+                def __getitem__(self, grid: Any) -> Any:
+                    return lambda *args, **kwargs: run(label, kernel, grid, args, kwargs)
+            return _Watched()
+
+        watched.unwatched = build  # type: ignore[attr-defined]
+        monkeypatch.setattr(module, "_compiled", watched)

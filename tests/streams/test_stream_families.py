@@ -85,6 +85,7 @@ def test_one_shot_video_and_frames_as_images_are_answered(server):
     assert wait_until(lambda: scrape(server.base_url).get("vllm:kv_cache_usage_perc", 1.0) == 0.0)
 
 
+@pytest.mark.slow  # in -m slow: its engine session stays (tests/engine/test_llava_next_video.py)
 def test_a_llava_next_video_live_stream_and_one_shot_video_are_compressed_and_answered():
     """LLaVA-NeXT-Video (1-D rotary positions) streams over HTTP: each push is re-based (its request holds what
     the policy kept, not what was pushed), the protected text the server counts is the markup's (``USER: `` and

@@ -51,8 +51,10 @@ def test_accuracy_benchmark_reports_cells_controls_and_plots(tmp_path: Path) -> 
         assert (tmp_path / name).stat().st_size > 10_000
 
 
-# "kv" (both shapes hold the video's quarter) in -m slow (make test-slow): keeps the default suite under 20 minutes
-@pytest.mark.parametrize("equal", ["frames", pytest.param("kv", marks=pytest.mark.slow)])
+# In -m slow (make test-slow): keeps the default suite under 20 minutes; frames served as images stay in the default
+# suite through tests/engine/test_server_images.py.
+@pytest.mark.slow
+@pytest.mark.parametrize("equal", ["frames", "kv"])
 def test_accuracy_benchmark_compares_frames_as_images_with_the_video(tmp_path: Path, capsys, equal: str) -> None:
     script = _load_script()
     rc = script.main(["--families", "colour", "static", "--per-family", "2", "--fractions", "0.25",
