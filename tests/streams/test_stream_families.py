@@ -31,9 +31,11 @@ ARGS = ["--kv-policy", "cords", "--kv-policy-config",
         "--kv-cache-memory-bytes", str(48 << 20), "--limit-mm-per-prompt", '{"image": 8, "video": 1}']
 
 
-# Qwen2.5-VL's live stream over HTTP in -m slow (make test-slow; its engine session is checked in the default suite by
-# tests/engine/test_families.py): keeps the default suite under 20 minutes
-@pytest.fixture(scope="module", params=[pytest.param("qwen2_5_vl", marks=pytest.mark.slow), "qwen3_vl"])
+# The families' live streams over HTTP in -m slow (make test-slow; their engine sessions are checked in the default
+# suite by tests/engine/test_families.py, and the HTTP stream itself by tests/streams/test_stream_api.py on Qwen2-VL):
+# keeps the default suite under 20 minutes
+@pytest.fixture(scope="module", params=[pytest.param("qwen2_5_vl", marks=pytest.mark.slow),
+                                        pytest.param("qwen3_vl", marks=pytest.mark.slow)])
 def server(request):
     path = build_tiny_model(TinyModelSpec(family=request.param, dtype="float32"))
     with VLLMServer(str(path), ARGS) as srv:
