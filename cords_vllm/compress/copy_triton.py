@@ -86,10 +86,11 @@ def _compiled(interpret: bool):
 
 
 @functools.cache
-def _device_table(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """``long`` device copy of a small host table, made once per (table, device): the caches, and so their
-    offsets, live as long as the engine."""
-    host = torch.tensor(values, dtype=torch.long)
+def _device_table(values: tuple[int | float, ...], device: torch.device, dtype: torch.dtype = torch.long
+                  ) -> torch.Tensor:
+    """Device copy of a small host table (``long`` unless ``dtype`` says otherwise), made once per (table, device,
+    dtype): the caches, and so their offsets, live as long as the engine."""
+    host = torch.tensor(values, dtype=dtype)
     if device.type == "cuda":
         host = host.pin_memory()
     return host.to(device, non_blocking=True)

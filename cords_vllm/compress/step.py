@@ -39,9 +39,11 @@ Tensor parallelism: joint selection gathers the anchors' keys and values of ever
 (:attr:`SelectionSetup.gather_heads`; bytes in :mod:`cords_vllm.compress.tensor_parallel`), so every rank keeps
 the same tokens as one rank holding all heads would; per-head selection exchanges nothing.
 
-Kernel launches: a fixed list per greedy step of the greedy policies
+Kernel launches (this PyTorch path): a fixed list per greedy step of the greedy policies
 (:data:`~cords_vllm.selection.cords.OPS_PER_GREEDY_STEP`: 30 for CoRDS, 22 for k_only / v_only), one step per
-kept token at token granularity, per kept block or frame otherwise, plus a few hundred per call.
+kept token at token granularity, per kept block or frame otherwise, plus a few hundred per call. Where Triton runs,
+the policies and caches :mod:`~cords_vllm.compress.step_triton` covers take its fused step instead: 7 launches
+(8 with an fp8 cache) whatever the granularity, layer count or anchor count.
 """
 
 from __future__ import annotations

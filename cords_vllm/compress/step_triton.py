@@ -5,7 +5,8 @@ the CPU path and the reference this one is tested against), for the greedy D^2 f
 (:meth:`~cords_vllm.selection.base.Selector.greedy_params`: ``cords`` with its max-cosine novelty in the paper's
 space, ``k_only``, ``v_only``). Where the PyTorch path runs a hundred-odd small ops per compression (region tokens,
 candidate ranks, frame ids, frame budget, centroids, the exact-count trim, the sort of kept positions, the held
-tokens' gathers), this one runs seven launches whatever the granularity, layer count or anchor count:
+tokens' gathers), this one runs seven launches whatever the granularity, layer count or anchor count (eight with an
+fp8 cache, whose anchors' scales are gathered in one more):
 
 1. :func:`_plan_kernel`, one program per problem (anchor, or anchor and KV head per head): the region's tokens
    (previously held, then entering), the recent window's protection, and the *units* the policy ranks: candidate
@@ -399,23 +400,15 @@ def _fp8_mode(codecs: Sequence[KVCodec] | None, anchors: Sequence[int]) -> int |
 
 
 def _scales(codecs: Sequence[KVCodec], anchors: Sequence[int], heads: int, device: torch.device) -> torch.Tensor:
-    """``float32 [A, 2, H]``: every anchor's key and value scale per head (one launch for tensor scales; scales given
-    as numbers are uploaded once per set of values)."""
+    """``float32 [A, 2, H]``: every anchor's key and value scale per head, in one launch (scales given as numbers are
+    uploaded once per value). Tensor scales are read at each compression, so scales vLLM updates in place are seen."""
     parts = []
     for a in anchors:
         for scale in (codecs[a].k_scale, codecs[a].v_scale):
             if not isinstance(scale, torch.Tensor):
-                scale = _host_scale(float(scale), device)
+                scale = copy_triton._device_table((float(scale),), device, torch.float32)
             parts.append(scale.to(torch.float32).reshape(-1).expand(heads))
     return torch.cat(parts)
-
-
-@functools.cache
-def _host_scale(value: float, device: torch.device) -> torch.Tensor:
-    host = torch.tensor([value], dtype=torch.float32)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
 
 
 @functools.cache
@@ -445,7 +438,8 @@ def _stacked(held: Sequence, anchors: Sequence[int]):
 
 def compress_region_fused(caches: Sequence[torch.Tensor], held: Sequence, batch, setup,
                           nonfinite: torch.Tensor | None, codecs: Sequence[KVCodec] | None = None) -> list | None:
-    """:func:`~cords_vllm.compress.step.compress_region` (same arguments, same result) in seven launches.
+    """:func:`~cords_vllm.compress.step.compress_region` (same arguments, same result) in seven launches (eight with
+    an fp8 cache).
 
     ``None``, before anything is written (the caller then runs the PyTorch path): the region exceeds
     :data:`MAX_ROWS` or the problem the greedy kernel's limits, or a layer holds other tokens than its anchor (held

@@ -164,17 +164,19 @@ def test_a_copy_that_writes_before_it_reads_is_caught(monkeypatch):
     assert any(not torch.equal(a, b) for a, b in zip(*results, strict=True))
 
 
-def _launches(monkeypatch, layers: int, anchors: tuple[int, ...], granularity: str, keep: int) -> HostSyncCounter:
+def _launches(monkeypatch, layers: int, anchors: tuple[int, ...], granularity: str, keep: int,
+              dtype: torch.dtype = torch.bfloat16) -> HostSyncCounter:
     """Counted on CPU (under the interpreter): the counter's dispatch mode is a CPU stand-in."""
     if not copy_triton.interpreting():
         pytest.skip("launches are counted on CPU under TRITON_INTERPRET=1")
-    caches = _caches(layers, "NBHC", torch.bfloat16, shared=True, device="cpu")
+    caches = _caches(layers, "NBHC", dtype, shared=True, device="cpu")
+    codecs = [codec_for("fp8_e4m3", 0.5, 0.25)] * layers if dtype == torch.uint8 else None
     setup = SelectionSetup(get_selector("cords"), granularity, False, anchors, kernels="triton")
     counter = HostSyncCounter()
     counter.watch_triton(monkeypatch, cords_triton, copy_triton, step_triton)
     accessors, batch = [PagedAccessor.of(caches[0], D)] * layers, _first(granularity, keep)
     with counter:
-        compress_region(caches, accessors, [None] * layers, batch, setup)
+        compress_region(caches, accessors, [None] * layers, batch, setup, codecs=codecs)
     return counter
 
 
@@ -196,6 +198,10 @@ def test_launches_per_compression_do_not_grow_with_layers_or_kept_tokens(monkeyp
         "triton:copy_triton"]
     assert len(base.syncs) <= HOST_SYNCS_PER_COMPRESSION[granularity]
     assert base.uploads == []
+    _launches(monkeypatch, 3, (0, 0, 0), granularity, 6, torch.uint8)  # the scales, uploaded once per value
+    fp8 = _launches(monkeypatch, 3, (0, 0, 0), granularity, 6, torch.uint8)
+    assert fp8.launch_names == [*base.launch_names[:1], "cat.default", *base.launch_names[1:]]  # one more: scales
+    assert fp8.uploads == [] and len(fp8.syncs) <= HOST_SYNCS_PER_COMPRESSION[granularity]
 
 
 def test_the_reference_path_launches_per_layer_and_per_step(monkeypatch):
