@@ -59,8 +59,9 @@ from cords_vllm.compress.tensor_parallel import HeadGather
 from cords_vllm.compress.unit_choice import AUTO
 from cords_vllm.kernel_backend import describe, kernels_in_force, use_triton
 from cords_vllm.selection.base import Selector
-from cords_vllm.selection.exact import select_exact
+from cords_vllm.selection.exact import select_exact_steps
 from cords_vllm.selection.observation import Observation
+from cords_vllm.selection.together import SelectionSteps, run_alone, run_together
 
 #: Host synchronisations one :func:`compress_region` call makes at most, per granularity (see the module
 #: docstring): measured on CPU by counting ``_local_scalar_dense`` / ``is_nonzero`` / ``nonzero`` / masked
@@ -243,6 +244,13 @@ def select_positions(setup: SelectionSetup, keys: torch.Tensor, values: torch.Te
     (``setup.gather_heads``) selects on every rank's heads, ``[A, H_all, T, D]``, and returns the common positions
     for this rank's ``H``.
     """
+    return run_alone(select_positions_steps(setup, keys, values, tokens, batch, generator))
+
+
+def select_positions_steps(setup: SelectionSetup, keys: torch.Tensor, values: torch.Tensor, tokens: HeldTokens,
+                           batch: RegionBatch, generator: torch.Generator | None = None
+                           ) -> SelectionSteps[torch.Tensor]:
+    """:func:`select_positions` as a generator (:mod:`~cords_vllm.selection.together`)."""
     a, h, t, d = keys.shape
     unit = batch.unit(setup)
     candidates = tokens.candidates  # [A, H, T]
@@ -264,7 +272,7 @@ def select_positions(setup: SelectionSetup, keys: torch.Tensor, values: torch.Te
             raise ValueError(f"{setup.selector.name}: joint selection under tensor parallelism needs every rank's "
                              "queries, which the compress step does not gather; select per head")
         observation = batch.observed.observation(tokens.ids[:, 0], h, setup.per_head)
-    positions = select_exact(
+    positions = yield from select_exact_steps(
         setup.selector, k, v, batch.num_keep_candidates, candidates=cand, granularity=unit,
         group_size=batch.group_size, group_index=labels,
         num_candidates=batch.num_candidates, frame_budget=batch.frame_budget, frame_tokens=batch.frame_tokens,
@@ -310,13 +318,44 @@ def compress_region(caches: Sequence[torch.Tensor], accessors: Sequence[KVAccess
         Per layer, ``num_keep`` per head: the tokens now held in the region, in row order.
     """
     with kernels_in_force(setup.kernels):
-        return _compress_region(caches, accessors, held, batch, setup, generator, nonfinite, codecs)
+        return run_alone(compress_region_steps(caches, accessors, held, batch, setup, generator, nonfinite, codecs))
 
 
-def _compress_region(caches: Sequence[torch.Tensor], accessors: Sequence[KVAccessor],
-                     held: Sequence[HeldTokens | None], batch: RegionBatch, setup: SelectionSetup,
-                     generator: torch.Generator | None, nonfinite: torch.Tensor | None,
-                     codecs: Sequence[KVCodec] | None) -> list[HeldTokens]:
+@dataclass(frozen=True)
+class RegionCompression:
+    """One request's compression in :func:`compress_regions`: :func:`compress_region`'s per-request arguments."""
+
+    held: Sequence[HeldTokens | None]
+    batch: RegionBatch
+    generator: torch.Generator | None = None
+
+
+@torch.inference_mode()
+def compress_regions(caches: Sequence[torch.Tensor], accessors: Sequence[KVAccessor],
+                     compressions: Sequence[RegionCompression], setup: SelectionSetup,
+                     nonfinite: torch.Tensor | None = None,
+                     codecs: Sequence[KVCodec] | None = None) -> list[list[HeldTokens] | Exception]:
+    """Several requests' compressions (an engine step's) on the same caches, their greedy orders computed together.
+
+    Each compression is exactly :func:`compress_region`'s (same kept tokens, same caches after it): requests hold
+    disjoint blocks, and a policy that :attr:`~cords_vllm.selection.base.Selector.batches_problems` orders the units
+    of every request in one call (:func:`~cords_vllm.selection.together.run_together`), which on a CPU costs about
+    what one request's order costs (the greedy run's cost there is its per-step kernel overhead).
+
+    Returns, per compression, what :func:`compress_region` returns, or the exception it raised: a failure is that
+    request's alone (the caller ends it; the others are compressed).
+    """
+    with kernels_in_force(setup.kernels):
+        return run_together([compress_region_steps(caches, accessors, c.held, c.batch, setup, c.generator,
+                                                   nonfinite, codecs) for c in compressions])
+
+
+def compress_region_steps(caches: Sequence[torch.Tensor], accessors: Sequence[KVAccessor],
+                          held: Sequence[HeldTokens | None], batch: RegionBatch, setup: SelectionSetup,
+                          generator: torch.Generator | None, nonfinite: torch.Tensor | None,
+                          codecs: Sequence[KVCodec] | None) -> SelectionSteps[list[HeldTokens]]:
+    """:func:`compress_region` as a generator (:mod:`~cords_vllm.selection.together`): it yields where its policy
+    orders units."""
     if _fused(caches, accessors, codecs, setup):
         from cords_vllm.compress.step_triton import compress_region_fused
 
@@ -344,7 +383,7 @@ def _compress_region(caches: Sequence[torch.Tensor], accessors: Sequence[KVAcces
         candidates = candidates & (candidates.flip(-1).cumsum(-1).flip(-1) > batch.num_recent)
     stacked = HeldTokens(torch.stack([t.ids for t in anchor_tokens]), candidates,
                          None if batch.new_labels is None else torch.stack([t.labels for t in anchor_tokens]))
-    positions = select_positions(setup, keys, values, stacked, batch, generator)  # [A, H, num_keep]
+    positions = yield from select_positions_steps(setup, keys, values, stacked, batch, generator)  # [A, H, keep]
     row_of = {a: i for i, a in enumerate(anchors)}
     anchor_row = [row_of[setup.anchor_of[layer]] for layer in range(len(accessors))]
     if _copy_in_one_launch(caches, accessors):

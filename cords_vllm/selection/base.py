@@ -53,6 +53,7 @@ from cords_vllm.selection.granularity import units_to_mask
 from cords_vllm.selection.observation import Observation, observed_attention
 from cords_vllm.selection.params import ParamSpec, check_params, hyperparameter, param_specs_of
 from cords_vllm.selection.result import SelectionResult, kept_candidate_count
+from cords_vllm.selection.together import SelectionSteps, UnitsToOrder, run_alone
 from cords_vllm.selection.validation import check_group_index, check_select_inputs
 
 if TYPE_CHECKING:
@@ -103,6 +104,11 @@ class Selector(abc.ABC):
         ``"prompt_before_candidates"`` (the text right before the first video, seeing every held token) or
         ``"prompt_at_newest"`` (the same rows, rotated to the position after the newest token); the policy's
         ``window`` says how many rows. ``None`` otherwise.
+    batches_problems:
+        True if :meth:`_order_units` reads only ``feats``, ``key_dim``, ``valid``, ``k`` and ``k_max``, orders
+        every problem alone and is unchanged by invalid units appended to a problem: the orders of several
+        selections may then be computed in one call (:mod:`~cords_vllm.selection.together`; what the engine does
+        for a step's compressions).
     """
 
     name: ClassVar[str] = ""
@@ -111,6 +117,7 @@ class Selector(abc.ABC):
     needs_frame_length: ClassVar[bool] = False
     needs_observation: ClassVar[bool] = False
     observation_source: ClassVar[str | None] = None
+    batches_problems: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         check_params(self, self.name or type(self).__name__)
@@ -197,6 +204,30 @@ class Selector(abc.ABC):
             ``keep`` holds ``protected + kept candidates`` per problem, exactly as stated in the
             module docstring.
         """
+        return run_alone(self.select_steps(
+            keys, values, budget, candidates=candidates, granularity=granularity, group_size=group_size,
+            group_index=group_index, per_head=per_head, generator=generator, counts=counts,
+            observation=observation))
+
+    def select_steps(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        budget: int,
+        *,
+        candidates: torch.Tensor | None = None,
+        granularity: Granularity = "token",
+        group_size: int | None = None,
+        group_index: torch.Tensor | None = None,
+        per_head: bool = False,
+        generator: torch.Generator | None = None,
+        counts: HostCounts | None = None,
+        observation: Observation | None = None,
+    ) -> SelectionSteps[SelectionResult]:
+        """:meth:`select` as a generator that yields the units it needs ordered (:class:`UnitsToOrder`, when this
+        policy :attr:`batches_problems`) and receives their order, so that a caller may order several selections
+        together (:func:`~cords_vllm.selection.together.run_together`). Same arguments and result.
+        """
         budget = check_select_inputs(keys, values, budget, candidates, granularity, group_size, per_head,
                                      generator, check_finite=counts is None)
         if group_index is not None:
@@ -214,7 +245,12 @@ class Selector(abc.ABC):
         units, layout = build_units(keys, values, budget, candidates=candidates, granularity=granularity,
                                     group_size=group_size, group_index=group_index, per_head=per_head,
                                     generator=generator, counts=counts, token_scores=token_scores)
-        order = self._order_units(units) if units.k_max > 0 else units.empty_order()
+        if units.k_max == 0:
+            order = units.empty_order()
+        elif self.batches_problems:
+            order = yield UnitsToOrder(self, units)
+        else:
+            order = self._order_units(units)
         chosen = self._check_order(order, units, on_device=counts is not None)
         return SelectionResult(keep=layout.keep(chosen), order=layout.order(order), granularity=granularity,
                                group_size=group_size, per_head=per_head)

@@ -47,6 +47,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import ClassVar
 
 import torch
 
@@ -667,6 +668,8 @@ class CoRDSSelector(Selector):
     space: str = hyperparameter("paper", choices=SPACES,
                                 help="joint space of the distance: raw keys and values (the paper's), or each "
                                      "divided by its RMS spread over the candidates so alpha weighs the spaces")
+
+    batches_problems: ClassVar[bool] = True
 
     def greedy_params(self) -> GreedyParams | None:
         if self.space != "paper" or (self.lam > 0.0 and self.novelty != "max_cosine"):

@@ -23,6 +23,7 @@ class _D2Selector(Selector):
     """Greedy farthest-first (D^2) selection in one feature space."""
 
     alpha: ClassVar[float]
+    batches_problems: ClassVar[bool] = True
 
     def greedy_params(self) -> GreedyParams:
         return GreedyParams(self.alpha, self.alpha, 0.0, 1e-6)

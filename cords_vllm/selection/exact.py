@@ -34,6 +34,7 @@ from cords_vllm.selection.base import Selector
 from cords_vllm.selection.batch import HostCounts
 from cords_vllm.selection.granularity import candidate_ranks, labelled_group_ids
 from cords_vllm.selection.observation import Observation
+from cords_vllm.selection.together import SelectionSteps, run_alone
 from cords_vllm.utils import cdiv
 
 
@@ -78,6 +79,20 @@ def select_exact(selector: Selector, keys: torch.Tensor, values: torch.Tensor, n
     torch.Tensor
         ``long [B, protected + need]``, increasing, on ``keys.device``.
     """
+    return run_alone(select_exact_steps(
+        selector, keys, values, need, candidates=candidates, granularity=granularity, group_size=group_size,
+        group_index=group_index, num_candidates=num_candidates, frame_budget=frame_budget,
+        frame_tokens=frame_tokens, generator=generator, observation=observation))
+
+
+def select_exact_steps(selector: Selector, keys: torch.Tensor, values: torch.Tensor, need: int, *,
+                 candidates: torch.Tensor, granularity: str = "token", group_size: int | None = None,
+                 group_index: torch.Tensor | None = None, num_candidates: int | None = None,
+                 frame_budget: int | None = None, frame_tokens: int | None = None,
+                 generator: torch.Generator | None = None,
+                 observation: Observation | None = None) -> SelectionSteps[torch.Tensor]:
+    """:func:`select_exact` as a generator (:mod:`~cords_vllm.selection.together`): yields what its policy needs
+    ordered, so that several compressions may order their units in one call. Same arguments and result."""
     trusted = num_candidates is not None
     if num_candidates is None:
         num_candidates = int(candidates.sum(-1).min())
@@ -88,18 +103,18 @@ def select_exact(selector: Selector, keys: torch.Tensor, values: torch.Tensor, n
         if group_size is None:
             raise ValueError("group_size: required (the largest frame, in tokens) at frame granularity with "
                              "group_index")
-        keep = _labelled_frames(selector, keys, values, candidates, group_index, need, group_size,
+        keep = yield from _labelled_frames(selector, keys, values, candidates, group_index, need, group_size,
                                 frame_budget, generator, trusted, observation)
     elif granularity == "token" or group_size is None or cdiv(need, group_size) > num_candidates // group_size:
         # token granularity, or not enough whole groups to hold `need` tokens
-        keep = selector.select(keys, values, need, candidates=candidates, granularity="token",
-                               group_size=frame_tokens, generator=generator, counts=counts,
-                               observation=observation).keep
+        keep = (yield from selector.select_steps(keys, values, need, candidates=candidates, granularity="token",
+                                                 group_size=frame_tokens, generator=generator, counts=counts,
+                                                 observation=observation)).keep
     else:
         n_groups = cdiv(need, group_size)
-        result = selector.select(keys, values, n_groups * group_size, candidates=candidates,
-                                 granularity=granularity, group_size=group_size, generator=generator,
-                                 counts=counts, observation=observation)
+        result = yield from selector.select_steps(keys, values, n_groups * group_size, candidates=candidates,
+                                                  granularity=granularity, group_size=group_size,
+                                                  generator=generator, counts=counts, observation=observation)
         rank, _ = candidate_ranks(candidates)
         gid = torch.where(candidates, rank // group_size, -1)
         keep = ~candidates | _first_chosen(result.keep & candidates, gid, result.order, need)
@@ -110,7 +125,7 @@ def select_exact(selector: Selector, keys: torch.Tensor, values: torch.Tensor, n
 def _labelled_frames(selector: Selector, keys: torch.Tensor, values: torch.Tensor, cand: torch.Tensor,
                      labels: torch.Tensor, need: int, group_size: int, frame_budget: int | None,
                      generator: torch.Generator | None, trusted: bool,
-                     observation: Observation | None = None) -> torch.Tensor:
+                     observation: Observation | None = None) -> SelectionSteps[torch.Tensor]:
     """``bool [B, T]``: protected tokens, the edge frame when kept whole, and the first chosen candidates.
 
     ``trusted``: the labels need no check, and the frame count (the width of the selector's units) is read
@@ -132,9 +147,9 @@ def _labelled_frames(selector: Selector, keys: torch.Tensor, values: torch.Tenso
         counts = HostCounts(max_groups=n_frames)
     elif frame_budget is None:
         frame_budget = int(_frames_holding(gid, count, still))
-    result = selector.select(keys, values, frame_budget * group_size, candidates=rest, granularity="frame",
-                             group_size=group_size, group_index=labels, generator=generator, counts=counts,
-                             observation=observation)
+    result = yield from selector.select_steps(keys, values, frame_budget * group_size, candidates=rest,
+                                              granularity="frame", group_size=group_size, group_index=labels,
+                                              generator=generator, counts=counts, observation=observation)
     return ~cand | edge | _first_chosen(result.keep & rest, gid, result.order, still)
 
 

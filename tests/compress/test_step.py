@@ -116,14 +116,15 @@ class _DeviceOnlyNewest(Selector):
 
     name = "device_only_newest"
 
-    def select(self, keys, values, budget, *, candidates=None, granularity="token", group_size=None,
-               group_index=None, per_head=False, generator=None, counts=None, observation=None) -> SelectionResult:
+    def select_steps(self, keys, values, budget, *, candidates=None, granularity="token", group_size=None,
+                     group_index=None, per_head=False, generator=None, counts=None, observation=None):
         rank_from_end = candidates.flip(-1).cumsum(-1).flip(-1)
         keep = ~candidates | (candidates & (rank_from_end <= budget))
         return SelectionResult(keep=keep, order=torch.empty(keep.shape[0], 0, dtype=torch.long, device=keep.device),
                                granularity=granularity, group_size=group_size, per_head=per_head)
+        yield  # a generator (see Selector.select_steps) that asks for no order
 
-    def _order_units(self, units):  # pragma: no cover - select is overridden
+    def _order_units(self, units):  # pragma: no cover - select_steps is overridden
         raise NotImplementedError
 
 

@@ -5,8 +5,9 @@ engine core (in-process engine: an exception that escaped ``Scheduler.schedule``
   infinite) reach the engine through ``EngineSession`` here: the scheduler's rotary-position rule raised
   ``OverflowError`` (``int(inf)``) inside ``Scheduler.schedule``, which ended the engine core; that stream now ends
   alone, and another stream keeps pushing and answering.
-* A compression whose planning fails in the scheduler, or whose selection fails in the worker, ends its request
-  alone (the failures injected into the real engine; the worker's reaches the scheduler when both share the
+* A compression whose planning fails in the scheduler, or whose preparation or selection fails in the worker (where
+  a step's compressions are carried out together), ends its request alone (the failures injected into the real
+  engine; the worker's reaches the scheduler when both share the
   process, as with one GPU or an in-process engine).
 """
 
@@ -61,7 +62,23 @@ def _fail_for(name: str, original, req_id_of):
     return failing
 
 
-@pytest.mark.parametrize("where", ["scheduler", "worker"])
+def _refused_by_selection(original):
+    """``WorkerCompressor._begin`` whose compression of ``doomed`` asks for every candidate, which the selection
+    refuses (a ``ValueError`` inside the step's compressions, carried out together with the other request's)."""
+    from dataclasses import replace
+
+    from cords_vllm.integration.engine_core.requests import external_request_id
+
+    def begin(self, runner, plan):
+        started = original(self, runner, plan)
+        if external_request_id(plan.req_id) != "doomed":
+            return started
+        batch = replace(started.compression.batch, num_keep_candidates=started.compression.batch.num_candidates)
+        return replace(started, compression=replace(started.compression, batch=batch))
+    return begin
+
+
+@pytest.mark.parametrize("where", ["scheduler", "worker", "selection"])
 def test_a_compression_that_fails_ends_its_request_alone(llm, monkeypatch, where):
     from vllm import SamplingParams
 
@@ -71,9 +88,12 @@ def test_a_compression_that_fails_ends_its_request_alone(llm, monkeypatch, where
     if where == "scheduler":  # plan_compression(req_id, ...)
         monkeypatch.setattr(scheduler, "plan_compression",
                             _fail_for("doomed", scheduler.plan_compression, lambda args: args[0]))
-    else:  # WorkerCompressor._apply(self, runner, plan)
-        monkeypatch.setattr(compressor.WorkerCompressor, "_apply",
-                            _fail_for("doomed", compressor.WorkerCompressor._apply, lambda args: args[2].req_id))
+    elif where == "worker":  # WorkerCompressor._begin(self, runner, plan)
+        monkeypatch.setattr(compressor.WorkerCompressor, "_begin",
+                            _fail_for("doomed", compressor.WorkerCompressor._begin, lambda args: args[2].req_id))
+    else:
+        monkeypatch.setattr(compressor.WorkerCompressor, "_begin",
+                            _refused_by_selection(compressor.WorkerCompressor._begin))
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     prompts = [{"prompt": VIDEO_PROMPT, "multi_modal_data": {"video": clip(video(16, seed=s), 2.0)}} for s in (4, 5)]
     engine = llm.llm_engine

@@ -7,9 +7,13 @@ and the persistent batch is condensed):
    the request leaving the persistent batch, and the persistent ``InputBatch`` block table the kernels read):
    ``row[:j] = kept blocks + nulls`` (:meth:`~cords_vllm.compress.plan.CompressionPlan.compact_row`, which
    touches only the entries that change). Host data only.
-2. Build the step's :class:`~cords_vllm.compress.step.RegionBatch` (one non-blocking upload of the plan's
-   block ids and spans) and run the pure :func:`~cords_vllm.compress.step.compress_region` on the cache's
-   device.
+2. Build the request's :class:`~cords_vllm.compress.step.RegionBatch` (one non-blocking upload of the plan's
+   block ids and spans).
+
+Then the pure :func:`~cords_vllm.compress.step.compress_regions` carries out every plan of the step on the cache's
+device, in one call: each request's compression is :func:`~cords_vllm.compress.step.compress_region`'s, and their
+greedy orders are computed together (on a CPU a greedy run costs its per-step kernel overhead, so a step's
+compressions cost about what one does). A compression that fails ends its request alone.
 
 The freed blocks may be handed out again in this very step; that is safe because the copy runs before this
 step's forward, which is the first thing that writes them, and because the scheduler takes them out of the blocks
@@ -33,6 +37,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,7 +49,14 @@ from cords_vllm.compress.frames import frame_sizes, layout_labels
 from cords_vllm.compress.kv_access import KVAccessor, slots_of
 from cords_vllm.compress.kv_codec import KVCodec, check_kv_cache_dtype
 from cords_vllm.compress.plan import NULL_BLOCK_ID, CompressionPlan, RebasePlan
-from cords_vllm.compress.step import RegionBatch, SelectionSetup, compress_region, describe_path
+from cords_vllm.compress.step import (
+    HeldTokens,
+    RegionBatch,
+    RegionCompression,
+    SelectionSetup,
+    compress_regions,
+    describe_path,
+)
 from cords_vllm.compress.transfer import upload
 from cords_vllm.compress.unit_choice import AUTO, compression_unit
 from cords_vllm.config import KVPolicyConfig
@@ -104,6 +116,15 @@ class WorkerSnapshot:
     selection_seconds: float
     held: dict[str, tuple[int, int]]  # req_id -> (kept blocks, region blocks)
     events: tuple[CompressionEvent, ...]
+
+
+@dataclass(frozen=True)
+class _Started:
+    """A plan whose rows are rewritten and whose compression is built, to be carried out with the step's others."""
+
+    plan: CompressionPlan
+    tracker: WorkerRequest
+    compression: RegionCompression
 
 
 @dataclass
@@ -254,15 +275,7 @@ class WorkerCompressor:
                  and p.req_id not in gone and p.req_id in runner.requests and p.req_id not in self.failed]
         if plans:
             with intra_op_threads(self.selection_threads):
-                for plan in plans:
-                    try:
-                        self._apply(runner, plan)
-                    except Exception as exc:
-                        reason = f"the KV policy could not compress it ({type(exc).__name__}: {exc})"
-                        if not failures.report(plan.req_id, reason):
-                            raise  # no scheduler here to end it: its KV no longer matches its row
-                        logger.exception("cords-vllm: compressing request %s failed; it is ended", plan.req_id)
-                        self.failed.add(plan.req_id)
+                self._apply(runner, plans)
         self._record_timings()
         self._publish_nonfinite()
 
@@ -372,20 +385,55 @@ class WorkerCompressor:
             observed=None if self.capture is None else self.capture.observed(plan.req_id, next_position),
             granularity=unit.granularity)
 
-    def _apply(self, runner: Any, plan: CompressionPlan) -> None:
+    def _apply(self, runner: Any, plans: Sequence[CompressionPlan]) -> None:
+        """Carry out a step's plans: every request's compression in one :func:`compress_regions` call (their greedy
+        orders computed together). A compression that fails ends its request alone."""
+        started: list[_Started] = []
+        for plan in plans:
+            try:
+                started.append(self._begin(runner, plan))
+            except Exception as exc:
+                self._fail(plan.req_id, exc)
+        if not started:
+            return
+        t0, mark = time.perf_counter(), self.timer.start()
+        results = compress_regions(self.caches, self.accessors, [s.compression for s in started], self.setup,
+                                   nonfinite=self.nonfinite, codecs=self.codecs)
+        self.timer.stop([s.plan.req_id for s in started], mark)
+        seconds = (time.perf_counter() - t0) / len(started)
+        for begun, result in zip(started, results, strict=True):
+            try:
+                if isinstance(result, Exception):
+                    raise result
+                self._finish(runner, begun, result, seconds)
+            except Exception as exc:
+                self._fail(begun.plan.req_id, exc)
+
+    def _fail(self, req_id: str, exc: Exception) -> None:
+        """End ``req_id``, whose compression raised ``exc`` (called in its ``except`` block); re-raise where no
+        scheduler can end it (its KV no longer matches its row)."""
+        reason = f"the KV policy could not compress it ({type(exc).__name__}: {exc})"
+        if not failures.report(req_id, reason):
+            raise exc
+        logger.error("cords-vllm: compressing request %s failed; it is ended", req_id, exc_info=exc)
+        self.failed.add(req_id)
+
+    def _begin(self, runner: Any, plan: CompressionPlan) -> _Started:
+        """Rewrite the request's rows to the plan and build its compression (host work, a few uploads)."""
         self._rewrite_rows(runner, plan)
         tracker = self.requests.get(plan.req_id)
         if tracker is None:
             tracker = self.requests[plan.req_id] = WorkerRequest(held=[None] * len(self.caches))
-        t0, mark = time.perf_counter(), self.timer.start()
         # only rows moved after the newest token read it (an O(prompt) host read of M-RoPE positions)
         next_position = self._next_position(runner, plan.req_id) if self.capture is not None and \
             self.capture.moves_rows else 0
         batch = self._region_batch(plan, tracker, self._labels(runner, plan, tracker), next_position)
-        tracker.held = compress_region(self.caches, self.accessors, tracker.held, batch, self.setup,
-                                       nonfinite=self.nonfinite, codecs=self.codecs)
-        self.timer.stop(plan.req_id, mark)
-        seconds = time.perf_counter() - t0
+        return _Started(plan, tracker, RegionCompression(tracker.held, batch))
+
+    def _finish(self, runner: Any, begun: _Started, held: list[HeldTokens], seconds: float) -> None:
+        """Account a carried-out compression (``seconds``: its share of the step's compress time)."""
+        plan, tracker = begun.plan, begun.tracker
+        tracker.held = held
         tracker.holes = (plan.num_keep // plan.block_size, plan.region_blocks)
         tracker.compressions += 1
         self.totals.compressions += 1

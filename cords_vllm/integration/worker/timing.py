@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +42,7 @@ class CompressionTimer:
 
     def __init__(self, event_factory: Callable[[], Any] | None = None) -> None:
         self.event_factory = event_factory
-        self._pending: deque[tuple[str, Any, Any]] = deque()
+        self._pending: deque[tuple[tuple[str, ...], Any, Any]] = deque()
         self._done: list[Timing] = []
         #: Why the timer stopped measuring (the first error an event raised), or ``None``.
         self.failure: str | None = None
@@ -74,10 +74,13 @@ class CompressionTimer:
             return None
         return event
 
-    def stop(self, req_id: str, start: Any) -> None:
-        """Mark the end of the compression of ``req_id`` begun at ``start``."""
+    def stop(self, req_id: str | Sequence[str], start: Any) -> None:
+        """Mark the end of the compression of ``req_id`` begun at ``start``; several requests (compressed together,
+        in one call) share its time evenly."""
+        req_ids = (req_id,) if isinstance(req_id, str) else tuple(req_id)
         if self.event_factory is None:
-            self._done.append(Timing(req_id, time.perf_counter() - start))
+            share = (time.perf_counter() - start) / max(1, len(req_ids))
+            self._done.extend(Timing(r, share) for r in req_ids)
             return
         if start is None or self.failure is not None:
             return
@@ -87,17 +90,17 @@ class CompressionTimer:
         except Exception as exc:
             self._fail("recording its end event", exc)
             return
-        self._pending.append((req_id, start, end))
+        self._pending.append((req_ids, start, end))
 
     def completed(self) -> list[Timing]:
         """Compressions measured since the last call, oldest first: on a device, those whose end event has
         completed (events complete in stream order, so the first incomplete one ends the scan)."""
         try:
             while self._pending and self._pending[0][2].query():
-                req_id, start, end = self._pending[0]
-                seconds = start.elapsed_time(end) / 1e3
+                req_ids, start, end = self._pending[0]
+                share = start.elapsed_time(end) / 1e3 / max(1, len(req_ids))
                 self._pending.popleft()
-                self._done.append(Timing(req_id, seconds))
+                self._done.extend(Timing(r, share) for r in req_ids)
         except Exception as exc:
             self._fail("reading a finished compression's events", exc)
         done, self._done = self._done, []
@@ -112,4 +115,4 @@ class CompressionTimer:
     @property
     def pending(self) -> int:
         """Compressions whose device time is not known yet."""
-        return len(self._pending)
+        return sum(len(req_ids) for req_ids, _, _ in self._pending)

@@ -1,0 +1,150 @@
+"""Several selections, one policy call: the greedy runs of a step's compressions ordered together.
+
+A greedy policy's cost on a CPU is its per-step kernel overhead (about 30 small kernels per greedy step, whatever
+the number of problems), not its arithmetic: ordering the units of every compression of an engine step in one
+call costs about what one compression's order costs. The problems of different requests have different unit
+counts and budgets; they are padded to a common unit count (padding units are invalid) and stacked, and each
+gets back its own rows, cut to its own ``k_max``.
+
+How a caller takes part: the selection of one compression runs as a *generator* (``Selector.select_steps``,
+:func:`~cords_vllm.selection.exact.select_exact_steps`, and the compress step's own) that yields a
+:class:`UnitsToOrder` where it needs its policy's order and receives that order back. :func:`run_alone` drives one
+such generator (what the plain functions do); :func:`run_together` drives several, ordering the units of every
+yield that shares a policy and feature layout in one call.
+
+Exactness: a policy may be batched this way only if it declares ``Selector.batches_problems``, which says that its
+``_order_units`` reads nothing of a :class:`~cords_vllm.selection.batch.UnitBatch` but ``feats``, ``key_dim``,
+``valid``, ``k`` and ``k_max``, treats every problem alone, and is unchanged by invalid units appended after a
+problem's own (so a stacked call returns, row by row, the order each problem gets alone; checked bit for bit by
+``tests/selection/test_together.py`` over the shared selector matrix).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+
+from cords_vllm.selection.batch import UnitBatch
+
+if TYPE_CHECKING:
+    from cords_vllm.selection.base import Selector
+
+T = TypeVar("T")
+
+#: A selection run as a generator: yields what it needs ordered, receives the order, returns its result.
+SelectionSteps = Generator["UnitsToOrder", torch.Tensor, T]
+
+
+@dataclass(frozen=True)
+class UnitsToOrder:
+    """What a selection needs ordered: its policy and its units (``order = selector._order_units(units)``)."""
+
+    selector: Selector
+    units: UnitBatch
+
+    def order(self) -> torch.Tensor:
+        """This request's order alone: ``long [P, k_max]``."""
+        return self.selector._order_units(self.units)
+
+    def stack_key(self) -> tuple[Any, ...] | None:
+        """Requests with equal keys may be ordered in one call (same policy, dtype, device and feature layout);
+        ``None``: this one is ordered alone."""
+        if not self.selector.batches_problems:
+            return None
+        feats = self.units.feats
+        return self.selector, feats.dtype, feats.device, feats.shape[-1], self.units.key_dim
+
+
+def run_alone(steps: SelectionSteps[T]) -> T:
+    """Drive one selection to its result, ordering each of its requests alone."""
+    try:
+        request = next(steps)
+        while True:
+            request = steps.send(request.order())
+    except StopIteration as done:
+        return done.value
+
+
+def run_together(runs: Sequence[SelectionSteps[Any]]) -> list[Any]:
+    """Drive several selections to their results, ordering the requests they make at the same point in one call
+    per :meth:`UnitsToOrder.stack_key`.
+
+    Returns one entry per run: its result, or the exception it raised (each run fails alone, as it would have
+    run alone; an exception while ordering a stack is thrown into every run of that stack).
+    """
+    results: list[Any] = [None] * len(runs)
+    waiting: dict[int, UnitsToOrder] = {}
+
+    def advance(i: int, how: str, arg: Any = None) -> None:
+        try:
+            request = next(runs[i]) if how == "start" else getattr(runs[i], how)(arg)
+        except StopIteration as done:
+            results[i] = done.value
+        except Exception as exc:  # this run's failure, reported to its caller
+            results[i] = exc
+        else:
+            waiting[i] = request
+
+    for i in range(len(runs)):
+        advance(i, "start")
+    while waiting:
+        stacks: dict[Any, list[int]] = {}
+        for i, request in waiting.items():
+            key = request.stack_key()
+            stacks.setdefault(("alone", i) if key is None else key, []).append(i)
+        current, waiting = waiting, {}
+        for members in stacks.values():
+            try:
+                orders = order_together([current[i] for i in members])
+            except Exception as exc:
+                for i in members:
+                    advance(i, "throw", exc)
+                continue
+            for i, order in zip(members, orders, strict=True):
+                advance(i, "send", order)
+    return results
+
+
+def order_together(requests: Sequence[UnitsToOrder]) -> list[torch.Tensor]:
+    """The order of every request (``long [P_r, k_max_r]`` each), in one policy call when there are several.
+
+    The requests share a :meth:`~UnitsToOrder.stack_key`; their problems are stacked by :func:`stack_units`.
+    """
+    if len(requests) == 1:
+        return [requests[0].order()]
+    units = [r.units for r in requests]
+    order = requests[0].selector._order_units(stack_units(units))
+    out, row = [], 0
+    for u in units:
+        p_count = u.valid.shape[0]
+        out.append(order[row:row + p_count, :u.k_max])
+        row += p_count
+    return out
+
+
+def stack_units(units: Sequence[UnitBatch]) -> UnitBatch:
+    """One :class:`UnitBatch` of every problem of ``units`` (same dtype, device and feature layout), each padded
+    to the largest unit count with invalid units (zero features, rank ``-1``).
+
+    Only the fields a ``batches_problems`` policy reads are meaningful; the rest are the first batch's
+    (``period``, ``granularity``, ``group_size``) or ``None``.
+    """
+    m_max = max(u.valid.shape[1] for u in units)
+
+    def pad(x: torch.Tensor, value: float | bool | int) -> torch.Tensor:
+        short = m_max - x.shape[1]
+        if short == 0:
+            return x
+        filler = x.new_full((x.shape[0], short, *x.shape[2:]), value)
+        return torch.cat([x, filler], dim=1)
+
+    first = units[0]
+    return UnitBatch(
+        feats=torch.cat([pad(u.feats, 0.0) for u in units]), key_dim=first.key_dim,
+        valid=torch.cat([pad(u.valid, False) for u in units]), rank=torch.cat([pad(u.rank, -1) for u in units]),
+        count=torch.cat([u.count for u in units]), k=torch.cat([u.k for u in units]),
+        k_max=max(u.k_max for u in units), period=first.period, granularity=first.granularity,
+        group_size=first.group_size)

@@ -1,0 +1,133 @@
+"""A step's compressions carried out together (:func:`~cords_vllm.compress.step.compress_regions`): the caches and
+held tokens of each request equal those of its compression alone, the greedy policies order every request in one
+call, and a request that fails fails alone."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+import cords_vllm.selection.cords as cords_module
+import cords_vllm.selection.d2 as d2_module
+from cords_vllm.compress.kv_access import PagedAccessor, slots_of
+from cords_vllm.compress.step import (
+    RegionBatch,
+    RegionCompression,
+    SelectionSetup,
+    compress_region,
+    compress_regions,
+)
+from cords_vllm.selection import get_selector
+
+LAYERS, HEADS, BS, D, BLOCKS = 4, 2, 8, 16, 48
+TEXT, FRAME = 5, 12
+#: Per request: frames, kept blocks, unit (a step mixes requests of every unit).
+REQUESTS = ((6, 4, "token"), (10, 6, "block"), (8, 5, "frame"), (5, 3, "frame"))
+
+
+def _caches(seed: int = 3) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(BLOCKS, HEADS, BS, 2 * D, generator=g) for _ in range(LAYERS)]
+
+
+def _batches() -> list[RegionBatch]:
+    """One first compression per request, each in its own blocks (block 0 is null)."""
+    out, first = [], 1
+    for frames, keep, unit in REQUESTS:
+        region = (TEXT + frames * FRAME) // BS
+        blocks = torch.arange(first, first + region)
+        first += region
+        labels = torch.cat([torch.zeros(TEXT, dtype=torch.long), torch.arange(frames).repeat_interleave(FRAME) + 1,
+                            torch.full((BS,), frames + 1)])[: region * BS]
+        out.append(RegionBatch(
+            src_slots=slots_of(blocks, BS), dst_slots=slots_of(blocks[:keep], BS), new_ids=torch.arange(region * BS),
+            spans=torch.tensor([[TEXT, TEXT + frames * FRAME]]), new_labels=labels, num_keep=keep * BS,
+            num_keep_candidates=keep * BS - TEXT, num_candidates=region * BS - TEXT,
+            group_size={"frame": FRAME, "block": BS}.get(unit), frame_tokens=FRAME, granularity=unit))
+    assert first <= BLOCKS
+    return out
+
+
+def _alone(setup: SelectionSetup, batches: list[RegionBatch]) -> tuple[list[torch.Tensor], list]:
+    caches = _caches()
+    accessors = [PagedAccessor.of(caches[0], D)] * LAYERS
+    held = [compress_region(caches, accessors, [None] * LAYERS, b, setup) for b in batches]
+    return caches, held
+
+
+@pytest.mark.parametrize("per_head", [False, True], ids=["joint", "per_head"])
+@pytest.mark.parametrize("policy", ["cords", "k_only", "v_only", "uniform", "infinipot_v"])
+def test_compressions_together_equal_each_alone(policy, per_head, monkeypatch):
+    setup = SelectionSetup(get_selector(policy), "auto", per_head, (0, 0, 2, 2))
+    batches = _batches()
+    ref_caches, ref_held = _alone(setup, batches)
+    greedy_runs = []
+    original = cords_module.cords_greedy
+    for module in (cords_module, d2_module):
+        monkeypatch.setattr(module, "cords_greedy", lambda *a, **k: greedy_runs.append(a[0].shape[0]) or
+                            original(*a, **k))
+    caches = _caches()
+    accessors = [PagedAccessor.of(caches[0], D)] * LAYERS
+    held = compress_regions(caches, accessors, [RegionCompression([None] * LAYERS, b) for b in batches], setup)
+    for got, ref in zip(held, ref_held, strict=True):
+        for layer in range(LAYERS):
+            assert torch.equal(got[layer].ids, ref[layer].ids) and torch.equal(got[layer].candidates,
+                                                                               ref[layer].candidates)
+    assert all(torch.equal(a, b) for a, b in zip(caches, ref_caches, strict=True))
+    if setup.selector.batches_problems:  # every request's problems (2 anchors, x heads per head) in one run
+        assert greedy_runs == [len(batches) * 2 * (HEADS if per_head else 1)]
+    else:
+        assert greedy_runs == []
+
+
+def test_second_compressions_together_continue_from_each_requests_held_tokens():
+    """Requests compressed together twice (held tokens of the first feed the second) equal each compressed alone."""
+    setup = SelectionSetup(get_selector("cords"), "auto", False, (0, 0, 2, 2))
+    batches = _batches()
+
+    def second(batch: RegionBatch) -> RegionBatch:  # the kept blocks only, to half of them
+        kept = batch.dst_slots.view(-1, BS)[:, 0] // BS
+        keep = max(1, kept.numel() // 2)
+        n_cand = kept.numel() * BS - TEXT
+        return replace(batch, src_slots=slots_of(kept, BS), dst_slots=slots_of(kept[:keep], BS),
+                       new_ids=batch.new_ids[:0], new_labels=batch.new_labels[:0], num_keep=keep * BS,
+                       num_keep_candidates=keep * BS - TEXT, num_candidates=n_cand)
+
+    caches = _caches()
+    accessors = [PagedAccessor.of(caches[0], D)] * LAYERS
+    ref_caches = _caches()
+    ref_held = [compress_region(ref_caches, accessors, [None] * LAYERS, b, setup) for b in batches]
+    ref_held = [compress_region(ref_caches, accessors, h, second(b), setup) for h, b in zip(ref_held, batches,
+                                                                                              strict=True)]
+    held = compress_regions(caches, accessors, [RegionCompression([None] * LAYERS, b) for b in batches], setup)
+    held = compress_regions(caches, accessors, [RegionCompression(h, second(b)) for h, b in zip(held, batches,
+                                                                                                  strict=True)],
+                            setup)
+    assert all(torch.equal(a[0].ids, b[0].ids) for a, b in zip(held, ref_held, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(caches, ref_caches, strict=True))
+
+
+def test_a_request_that_fails_leaves_its_blocks_and_the_others_compressed():
+    setup = SelectionSetup(get_selector("cords"), "auto", False, (0, 0, 2, 2))
+    batches = _batches()
+    bad = replace(batches[1], num_keep_candidates=batches[1].num_candidates)  # keeps every candidate: refused
+    ref_caches, ref_held = _alone(setup, [batches[0], batches[2], batches[3]])
+    caches = _caches()
+    before = [c.clone() for c in caches]
+    accessors = [PagedAccessor.of(caches[0], D)] * LAYERS
+    held = compress_regions(caches, accessors, [RegionCompression([None] * LAYERS, b)
+                                                for b in (batches[0], bad, batches[2], batches[3])], setup)
+    assert isinstance(held[1], ValueError) and "need" in str(held[1])
+    for got, ref in zip((held[0], held[2], held[3]), ref_held, strict=True):
+        assert torch.equal(got[0].ids, ref[0].ids)
+    failed = slots_of(torch.arange(batches[1].src_slots[0] // BS, batches[1].src_slots[-1] // BS + 1), BS)
+    for layer in range(LAYERS):
+        flat, ref_flat, old = (c.permute(0, 2, 1, 3).reshape(-1, HEADS, 2 * D) for c in (caches[layer],
+                                                                                        ref_caches[layer],
+                                                                                        before[layer]))
+        assert torch.equal(flat[failed], old[failed])  # the failed request's blocks are untouched
+        others = torch.ones(flat.shape[0], dtype=torch.bool)
+        others[failed] = False
+        assert torch.equal(flat[others], ref_flat[others])
