@@ -16,6 +16,10 @@ drive it:
    the first ``num_keep / block_size`` source blocks, in logical order. A layer's sources are read in full
    before it is written, so kept blocks may overlap sources.
 
+:func:`compress_regions` carries out an engine step's compressions (one per request) in one call: each exactly as
+:func:`compress_region` would, with the greedy orders of every request computed in one policy call
+(:mod:`~cords_vllm.selection.together`), which on a CPU costs about what one request's order costs.
+
 Everything lives on the caches' device; the host supplies only the plan's integers (in
 :class:`RegionBatch`), so the step itself never reads a tensor back to the host, and it passes those integers
 on (the candidate count, through :func:`~cords_vllm.selection.exact.select_exact`) so that the selection reads

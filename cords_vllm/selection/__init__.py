@@ -11,8 +11,8 @@ No vLLM import: everything here works on plain ``[B, H, N, D]`` key/value tensor
 Adding a policy: write one module with one ``@register_selector("name")`` frozen dataclass subclassing
 :class:`Selector` (fields declared with :func:`hyperparameter`, numpy docstring with the idea, the paper
 and each parameter), implement ``_order_units`` (choose ``k[p]`` units per problem, lowest index on
-ties), set the traits ``uses_token_order`` / ``stochastic`` / ``needs_frame_length`` / ``needs_observation`` if they
-apply, and
+ties), set the traits ``uses_token_order`` / ``stochastic`` / ``needs_frame_length`` / ``needs_observation`` /
+``batches_problems`` (its orders of several selections may be computed in one call) if they apply, and
 import the module below. The shared test matrix in ``tests/selection/test_selector_contract.py`` then
 runs it through every contract test (exact counts, protected tokens, determinism, batch independence,
 permutation equivariance unless it uses token order, low-precision inputs).
