@@ -7,10 +7,11 @@ counts and budgets; they are padded to a common unit count (padding units are in
 gets back its own rows, cut to its own ``k_max``.
 
 How a caller takes part: the selection of one compression runs as a *generator* (``Selector.select_steps``,
-:func:`~cords_vllm.selection.exact.select_exact_steps`, and the compress step's own) that yields a
-:class:`UnitsToOrder` where it needs its policy's order and receives that order back. :func:`run_alone` drives one
-such generator (what the plain functions do); :func:`run_together` drives several, ordering the units of every
-yield that shares a policy and feature layout in one call.
+:func:`~cords_vllm.selection.exact.select_exact_steps`, and the compress step's own) that yields a piece of work
+where several compressions' work is cheaper done at once (a :class:`Stackable`: :class:`UnitsToOrder`, its
+policy's order; the compress step's copy of the kept tokens) and receives that work's result back.
+:func:`run_alone` drives one such generator (what the plain functions do); :func:`run_together` drives several,
+doing the work of every yield with the same :meth:`Stackable.stack_key` in one call.
 
 Exactness: a policy may be batched this way only if it declares ``Selector.batches_problems``, which says that its
 ``_order_units`` reads nothing of a :class:`~cords_vllm.selection.batch.UnitBatch` but ``feats``, ``key_dim``,
@@ -21,9 +22,9 @@ problem's own (so a stacked call returns, row by row, the order each problem get
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Hashable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 
@@ -34,8 +35,22 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-#: A selection run as a generator: yields what it needs ordered, receives the order, returns its result.
-SelectionSteps = Generator["UnitsToOrder", torch.Tensor, T]
+#: A selection run as a generator: yields work (:class:`Stackable`), receives its result, returns its own.
+SelectionSteps = Generator["Stackable", Any, T]
+
+
+class Stackable(Protocol):
+    """A piece of one compression's work that several compressions may do in one call."""
+
+    def stack_key(self) -> Hashable | None:
+        """Work with equal keys (and of one type) may be done in one :meth:`run_stack` call; ``None``: alone."""
+
+    def run(self) -> Any:
+        """Do this work alone; returns what the yielding generator receives."""
+
+    @classmethod
+    def run_stack(cls, items: Sequence[Any]) -> list[Any]:
+        """Do the work of ``items`` (equal keys) in one call; returns each one's :meth:`run` result, in order."""
 
 
 @dataclass(frozen=True)
@@ -45,66 +60,70 @@ class UnitsToOrder:
     selector: Selector
     units: UnitBatch
 
-    def order(self) -> torch.Tensor:
+    def run(self) -> torch.Tensor:
         """This request's order alone: ``long [P, k_max]``."""
         return self.selector._order_units(self.units)
 
-    def stack_key(self) -> tuple[Any, ...] | None:
-        """Requests with equal keys may be ordered in one call (same policy, dtype, device and feature layout);
-        ``None``: this one is ordered alone."""
+    def stack_key(self) -> Hashable | None:
+        """Same policy, dtype, device and feature layout, for a policy that ``batches_problems``."""
         if not self.selector.batches_problems:
             return None
         feats = self.units.feats
         return self.selector, feats.dtype, feats.device, feats.shape[-1], self.units.key_dim
 
+    @classmethod
+    def run_stack(cls, items: Sequence[UnitsToOrder]) -> list[torch.Tensor]:
+        return order_together(items)
+
 
 def run_alone(steps: SelectionSteps[T]) -> T:
-    """Drive one selection to its result, ordering each of its requests alone."""
+    """Drive one selection to its result, doing each piece of work it yields alone."""
     try:
         request = next(steps)
         while True:
-            request = steps.send(request.order())
+            request = steps.send(request.run())
     except StopIteration as done:
         return done.value
 
 
 def run_together(runs: Sequence[SelectionSteps[Any]]) -> list[Any]:
-    """Drive several selections to their results, ordering the requests they make at the same point in one call
-    per :meth:`UnitsToOrder.stack_key`.
+    """Drive several selections to their results, doing the work they yield at the same point in one call per
+    type and :meth:`Stackable.stack_key`.
 
     Returns one entry per run: its result, or the exception it raised (each run fails alone, as it would have
-    run alone; an exception while ordering a stack is thrown into every run of that stack).
+    run alone; an exception while doing a stack's work is thrown into every run of that stack).
     """
     results: list[Any] = [None] * len(runs)
-    waiting: dict[int, UnitsToOrder] = {}
+    waiting: dict[int, Stackable] = {}
 
     def advance(i: int, how: str, arg: Any = None) -> None:
         try:
-            request = next(runs[i]) if how == "start" else getattr(runs[i], how)(arg)
+            work = next(runs[i]) if how == "start" else getattr(runs[i], how)(arg)
         except StopIteration as done:
             results[i] = done.value
         except Exception as exc:  # this run's failure, reported to its caller
             results[i] = exc
         else:
-            waiting[i] = request
+            waiting[i] = work
 
     for i in range(len(runs)):
         advance(i, "start")
     while waiting:
-        stacks: dict[Any, list[int]] = {}
-        for i, request in waiting.items():
-            key = request.stack_key()
-            stacks.setdefault(("alone", i) if key is None else key, []).append(i)
+        stacks: dict[Hashable, list[int]] = {}
+        for i, work in waiting.items():
+            key = work.stack_key()
+            stacks.setdefault(("alone", i) if key is None else (type(work), key), []).append(i)
         current, waiting = waiting, {}
         for members in stacks.values():
+            items = [current[i] for i in members]
             try:
-                orders = order_together([current[i] for i in members])
+                done = [items[0].run()] if len(items) == 1 else type(items[0]).run_stack(items)
             except Exception as exc:
                 for i in members:
                     advance(i, "throw", exc)
                 continue
-            for i, order in zip(members, orders, strict=True):
-                advance(i, "send", order)
+            for i, result in zip(members, done, strict=True):
+                advance(i, "send", result)
     return results
 
 
@@ -114,7 +133,7 @@ def order_together(requests: Sequence[UnitsToOrder]) -> list[torch.Tensor]:
     The requests share a :meth:`~UnitsToOrder.stack_key`; their problems are stacked by :func:`stack_units`.
     """
     if len(requests) == 1:
-        return [requests[0].order()]
+        return [requests[0].run()]
     units = [r.units for r in requests]
     order = requests[0].selector._order_units(stack_units(units))
     out, row = [], 0
