@@ -135,3 +135,14 @@ def test_run_alone_is_select():
     selector = get_selector("cords")
     for p in _problems(1):
         assert torch.equal(run_alone(selector.select_steps(**p)).keep, selector.select(**p).keep)
+
+
+@pytest.mark.parametrize("spec", ["cords", "v_only"])
+def test_stacked_under_the_greedy_kernel_equal_each_alone(spec):
+    """Where the greedy run is the Triton kernel (CUDA; here Triton's interpreter), a stack of problems padded to a
+    common unit count is one launch and each problem keeps what it keeps alone."""
+    from cords_vllm.kernel_backend import kernels_in_force
+
+    problems = [p for p in _problems(1) if p["granularity"] != "token"]  # few units: quick under the interpreter
+    with kernels_in_force("triton"):
+        assert _differences(_selector(spec), problems) == []
