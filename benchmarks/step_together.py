@@ -1,0 +1,160 @@
+"""Cost of an engine step's compressions: carried out together against one after another, in one run.
+
+Runs the pure compress step (no vLLM) on one paged KV cache holding ``N`` requests' regions (each its own blocks,
+regions of different lengths, ``cords`` defaults at ``granularity: auto``, the unit the worker would choose), for
+each ``N`` of ``--requests``:
+
+* ``alone ms``: the ``N`` compressions one after another (:func:`~cords_vllm.compress.step.compress_region` per
+  request: what the worker did before);
+* ``together ms``: the same compressions in one :func:`~cords_vllm.compress.step.compress_regions` call (what the
+  worker does: the greedy orders of every request in one policy call, the copies as one per layer);
+* ``speed-up``: alone over together; ``same``: every request keeps the same tokens and the caches end equal, bit
+  for bit.
+
+Medians of ``--repeats`` (the caches are restored from a pristine copy between runs, outside the timing), with the
+PyTorch path (``kernels: torch``, what a CPU runs). Prints a table and writes ``step_together.json`` to ``--out``.
+Not a test: numbers depend on the machine.
+
+Usage: ``python benchmarks/step_together.py [--requests 1 2 4 8] [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from cords_vllm.compress.kv_access import PagedAccessor, slots_of
+from cords_vllm.compress.step import RegionBatch, RegionCompression, SelectionSetup, compress_region, compress_regions
+from cords_vllm.compress.unit_choice import AUTO, compression_unit
+from cords_vllm.selection import get_selector
+from cords_vllm.threads import intra_op_threads
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The cache (``layers`` x ``[blocks, heads, block_size, 2 * head_size]``) and one request's region: ``text``
+    protected tokens, then ``frames`` frames of ``frame_tokens``, of which ``keep_frames`` worth are kept."""
+
+    layers: int = 28
+    heads: int = 4
+    head_size: int = 128
+    block_size: int = 16
+    text: int = 64
+    frame_tokens: int = 64
+    frames: int = 12
+    keep_frames: int = 8
+
+
+@dataclass
+class Row:
+    requests: int
+    alone_ms: float
+    together_ms: float
+    speedup: float
+    same: bool
+
+
+def build(shape: Shape, requests: int, seed: int = 0) -> tuple[list[torch.Tensor], list[RegionBatch]]:
+    """Caches and one first compression per request; request ``r`` holds ``r % 3`` frames more than the first."""
+    g = torch.Generator().manual_seed(seed)
+    bs = shape.block_size
+    regions = [(shape.text + (shape.frames + r % 3) * shape.frame_tokens) // bs for r in range(requests)]
+    num_blocks = 1 + sum(regions)
+    caches = [torch.randn(num_blocks, shape.heads, bs, 2 * shape.head_size, generator=g)
+              for _ in range(shape.layers)]
+    order = torch.randperm(num_blocks - 1, generator=g) + 1  # every request's blocks scattered over the pool
+    batches, first = [], 0
+    for region in regions:
+        blocks = order[first:first + region]
+        first += region
+        frames = (region * bs - shape.text) // shape.frame_tokens + 1
+        labels = torch.cat([torch.zeros(shape.text, dtype=torch.long),
+                            torch.arange(frames).repeat_interleave(shape.frame_tokens) + 1])[: region * bs]
+        kept = (shape.text + shape.keep_frames * shape.frame_tokens) // bs * bs
+        unit = compression_unit(AUTO, kept - shape.text, shape.frame_tokens)
+        batches.append(RegionBatch(
+            src_slots=slots_of(blocks, bs), dst_slots=slots_of(blocks[: kept // bs], bs),
+            new_ids=torch.arange(region * bs), spans=torch.tensor([[shape.text, region * bs]]), new_labels=labels,
+            num_keep=kept, num_keep_candidates=kept - shape.text, num_candidates=region * bs - shape.text,
+            group_size={"frame": shape.frame_tokens, "block": unit.group_size or bs}.get(unit.granularity),
+            frame_tokens=shape.frame_tokens, granularity=unit.granularity))
+    return caches, batches
+
+
+def measure(shape: Shape, requests: int, repeats: int) -> Row:
+    caches, batches = build(shape, requests)
+    pristine = [c.clone() for c in caches]
+    accessors = [PagedAccessor.of(caches[0], shape.head_size)] * shape.layers
+    setup = SelectionSetup(get_selector("cords"), AUTO, False, (0,) * shape.layers, kernels="torch")
+
+    def restore() -> None:
+        for c, p in zip(caches, pristine, strict=True):
+            c.copy_(p)
+
+    def alone() -> list:
+        return [compress_region(caches, accessors, [None] * shape.layers, b, setup) for b in batches]
+
+    def together() -> list:
+        return compress_regions(caches, accessors, [RegionCompression([None] * shape.layers, b) for b in batches],
+                                setup)
+
+    results, times = {}, {"alone": [], "together": []}
+    for name, run in (("alone", alone), ("together", together)):  # a warm-up run of each, kept for the check
+        restore()
+        results[name] = (run(), [c.clone() for c in caches])
+    for _ in range(repeats):  # interleaved, so drift hits both alike
+        for name, run in (("alone", alone), ("together", together)):
+            restore()
+            t0 = time.perf_counter()
+            run()
+            times[name].append(1e3 * (time.perf_counter() - t0))
+    restore()
+    (held_a, caches_a), (held_t, caches_t) = results["alone"], results["together"]
+    same = all(isinstance(t, list) and all(torch.equal(x.ids, y.ids) for x, y in zip(a, t, strict=True))
+               for a, t in zip(held_a, held_t, strict=True))
+    same &= all(torch.equal(a, t) for a, t in zip(caches_a, caches_t, strict=True))
+    alone_ms, together_ms = statistics.median(times["alone"]), statistics.median(times["together"])
+    return Row(requests, alone_ms, together_ms, alone_ms / together_ms, same)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, nargs="+", default=[1, 2, 4, 8], help="compressions per step")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads (the worker's default: 1)")
+    p.add_argument("--quick", action="store_true", help="a small shape (a smoke run)")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/step_together"))
+    args = p.parse_args(argv)
+    shape = Shape(layers=4, heads=2, head_size=16, block_size=8, text=8, frame_tokens=16, frames=6,
+                  keep_frames=3) if args.quick else Shape()
+    rows = []
+    with intra_op_threads(args.threads), torch.inference_mode():
+        for n in args.requests:
+            rows.append(measure(shape, n, args.repeats))
+            r = rows[-1]
+            print(f"{n} requests: alone {r.alone_ms:.1f} ms, together {r.together_ms:.1f} ms "
+                  f"({r.speedup:.2f}x), same {r.same}", file=sys.stderr, flush=True)
+    machine = f"{platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} cores, " \
+              f"torch {torch.__version__}, {args.threads} intra-op thread(s)"
+    lines = [f"A step's compressions, together vs one after another ({machine}; {shape})", "",
+             "| requests | alone ms | together ms | speed-up | same tokens and caches |", "|---|---|---|---|---|"]
+    lines += [f"| {r.requests} | {r.alone_ms:.1f} | {r.together_ms:.1f} | {r.speedup:.2f}x | {r.same} |"
+              for r in rows]
+    print("\n".join(lines))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "step_together.json").write_text(json.dumps(
+        {"machine": machine, "shape": asdict(shape), "rows": [asdict(r) for r in rows]}, indent=2))
+    return 0 if all(r.same for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

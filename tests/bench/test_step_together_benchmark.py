@@ -1,0 +1,24 @@
+"""``benchmarks/step_together.py`` end to end at its small shape: a step's compressions together and one after
+another keep the same tokens and leave the same caches, and the table and JSON are written (timings mean nothing
+here)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "step_together.py"
+
+
+def test_the_benchmark_compares_together_with_alone(tmp_path: Path, capsys) -> None:
+    spec = importlib.util.spec_from_file_location("step_together_benchmark", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("step_together_benchmark", module)
+    spec.loader.exec_module(module)
+    assert module.main(["--quick", "--requests", "1", "3", "--repeats", "1", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "step_together.json").read_text())["rows"]
+    assert [r["requests"] for r in rows] == [1, 3] and all(r["same"] for r in rows)
+    assert all(r["alone_ms"] > 0 and r["together_ms"] > 0 for r in rows)
+    assert "| 3 |" in capsys.readouterr().out
