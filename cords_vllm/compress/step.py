@@ -361,9 +361,9 @@ def compress_region_steps(caches: Sequence[torch.Tensor], accessors: Sequence[KV
     """:func:`compress_region` as a generator (:mod:`~cords_vllm.selection.together`): it yields where its policy
     orders units."""
     if _fused(caches, accessors, codecs, setup):
-        from cords_vllm.compress.step_triton import compress_region_fused
+        from cords_vllm.compress import step_triton
 
-        done = compress_region_fused(caches, held, batch, setup, nonfinite, codecs)
+        done = yield from step_triton.compress_region_fused_steps(caches, held, batch, setup, nonfinite, codecs)
         if done is not None:
             return done
     heads = accessors[0].num_kv_heads

@@ -24,6 +24,10 @@ fp8 cache, whose anchors' scales are gathered in one more):
    last trimmed), kept positions in row order, and the tokens the region now holds (ids, video, labels).
 5. The copy (:func:`~cords_vllm.compress.copy_triton.copy_kept`).
 
+A step's compressions (:func:`~cords_vllm.compress.step.compress_regions`) share steps 2-3: their units are written to
+rows of one zero-filled buffer (each problem padded with invalid units to the step's largest unit count) and ordered
+by one greedy run, ``4 N + 4`` launches for ``N`` compressions (:class:`UnitRowsToMake`, :class:`GreedyOnRows`).
+
 Frame granularity reads one thing back to the host, as the reference does: the most frames a problem holds and the
 frame budget (a ``[P, 2]`` read). The other granularities read nothing.
 
@@ -46,6 +50,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -53,7 +58,9 @@ from cords_vllm.compress import copy_triton
 from cords_vllm.compress.kv_access import KVAccessor, PagedAccessor
 from cords_vllm.compress.kv_codec import Fp8Codec, KVCodec, PlainCodec
 from cords_vllm.kernel_backend import interpreting
+from cords_vllm.selection.cords import GreedyParams
 from cords_vllm.selection.cords_triton import GRAM_LIMIT_BYTES, MAX_UNITS, greedy_from_units
+from cords_vllm.selection.together import SelectionSteps, run_alone
 from cords_vllm.utils import cdiv
 
 try:
@@ -194,13 +201,14 @@ def _e5m2(b):
 
 def _units_kernel(base, layer_offsets, scales, src_slots, row_of_rank, unit_start, unit_size, count_in,
                   feats, kn_out, vn_out, seed_out, valid_out, k_out, flag,
-                  n_tok, m_units, heads_per_problem, heads, head_size, frame_budget, k_fixed,
+                  n_tok, m_units, m_stride, heads_per_problem, heads, head_size, frame_budget, k_fixed,
                   s_block, s_head, s_offset, s_channel,
                   MODE: tl.constexpr, PER_HEAD: tl.constexpr, SCAN: tl.constexpr, FP8: tl.constexpr,
                   BLOCK_SIZE: tl.constexpr, BLOCK_F: tl.constexpr, SCAN_T: tl.constexpr):
     """Program ``(p, u)``: unit ``u``'s mean key and value (``feats[p, u]``, keys then values), their norms and the
-    seed score, ``valid[p, u]``, and (``u == 0``) ``k[p]``. Programs ``u >= m_units`` (``SCAN``) look for non-finite
-    entries in rows ``(u - m_units) * SCAN_T ...`` of the region.
+    seed score, ``valid[p, u]``, and (``u == 0``) ``k[p]``; the outputs' rows are ``m_stride >= m_units`` units long
+    (a step's compressions share them, each problem padded with invalid units). Programs ``u >= m_units`` (``SCAN``)
+    look for non-finite entries in rows ``(u - m_units) * SCAN_T ...`` of the region.
 
     ``FP8``: 0 for a floating cache; 1 (e4m3) or 2 (e5m2) for an fp8 cache read as bytes, decoded as
     :class:`~cords_vllm.compress.kv_codec.Fp8Codec` does (``scales``: ``float32 [A, 2, H]``, the keys' and the
@@ -257,14 +265,14 @@ def _units_kernel(base, layer_offsets, scales, src_slots, row_of_rank, unit_star
         n = tl.maximum(size, 1).to(tl.float32)
         key = tl.where(ok, acc_k / n, 0.0)
         value = tl.where(ok, acc_v / n, 0.0)
-        out = (p * m_units + u) * (2 * width)
+        out = (p * m_stride + u) * (2 * width)
         tl.store(feats + out + f, key, mask=in_f)
         tl.store(feats + out + width + f, value, mask=in_f)
-        tl.store(kn_out + p * m_units + u, tl.sqrt(tl.sum(key * key, 0)))
-        tl.store(vn_out + p * m_units + u, tl.sqrt(tl.sum(value * value, 0)))
+        tl.store(kn_out + p * m_stride + u, tl.sqrt(tl.sum(key * key, 0)))
+        tl.store(vn_out + p * m_stride + u, tl.sqrt(tl.sum(value * value, 0)))
         both = key + value
-        tl.store(seed_out + p * m_units + u, tl.sqrt(tl.sum(both * both, 0)))
-        tl.store(valid_out + p * m_units + u, ok.to(tl.int8))
+        tl.store(seed_out + p * m_stride + u, tl.sqrt(tl.sum(both * both, 0)))
+        tl.store(valid_out + p * m_stride + u, ok.to(tl.int8))
     if SCAN:  # noqa: SIM102 (Triton: a constexpr branch around a runtime one)
         if u >= m_units:
             rows = (u - m_units) * SCAN_T + tl.arange(0, SCAN_T)
@@ -292,9 +300,10 @@ def _units_kernel(base, layer_offsets, scales, src_slots, row_of_rank, unit_star
 def _finish_kernel(order, k_in, still_in, count_in, elig_rank, unit_of, unit_start, unit_size, protect,
                    region_ids, region_video, region_labels, kept_count, positions, out_ids, out_video, out_labels,
                    flag, nonfinite,
-                   n_tok, m_units, k_max, num_keep,
+                   n_tok, m_units, k_max, k_stride, num_keep,
                    LABELS: tl.constexpr, SCAN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Problem ``p``'s kept rows (``positions[p]``, increasing) and the tokens the region holds after the copy."""
+    """Problem ``p``'s kept rows (``positions[p]``, increasing) and the tokens the region holds after the copy
+    (``order``'s rows are ``k_stride >= k_max`` long: a step's compressions share it)."""
     p = tl.program_id(0).to(tl.int64)
     row = p * n_tok
     t = tl.arange(0, BLOCK_T)
@@ -306,7 +315,7 @@ def _finish_kernel(order, k_in, still_in, count_in, elig_rank, unit_of, unit_sta
     tl.debug_barrier()
     s = tl.arange(0, BLOCK_K)
     chosen = (s < k) & (s < k_max)
-    unit = tl.load(order + p * k_max + s, mask=chosen, other=0)
+    unit = tl.load(order + p * k_stride + s, mask=chosen, other=0)
     chosen = chosen & (unit >= 0)
     size = tl.load(unit_size + row + unit, mask=chosen, other=0)
     before = tl.cumsum(size, 0) - size
@@ -444,6 +453,102 @@ def compress_region_fused(caches: Sequence[torch.Tensor], held: Sequence, batch,
     ``None``, before anything is written (the caller then runs the PyTorch path): the region exceeds
     :data:`MAX_ROWS` or the problem the greedy kernel's limits, or a layer holds other tokens than its anchor (held
     tokens not shared the way this step and the reference return them). The caller checks :func:`covers` first."""
+    return run_alone(compress_region_fused_steps(caches, held, batch, setup, nonfinite, codecs))
+
+
+@dataclass(eq=False)
+class _UnitRows:
+    """Where a compression's units go: ``feats`` ``float32 [P, M, 2W]``, ``norms`` ``float32 [3, P, M]`` (key, value
+    and seed norms), ``valid`` ``int8 [P, M]``, ``k`` ``long [P]``; rows ``[start, stop)`` of ``stack``'s when a step's
+    compressions share them (``M`` then the step's largest unit count), else the compression's own (``stack`` is
+    ``None``)."""
+
+    feats: torch.Tensor
+    norms: torch.Tensor
+    valid: torch.Tensor
+    k: torch.Tensor
+    stack: _UnitRows | None = None
+    start: int = 0
+    stop: int = 0
+
+
+@dataclass(frozen=True)
+class UnitRowsToMake:
+    """A fused compression's units' buffers (:class:`~cords_vllm.selection.together.Stackable`): its own, or, for a
+    step's compressions together, rows of buffers they share, zero-filled (one launch) so that each problem's units
+    past its own count are invalid, and ordered by one greedy launch (:class:`GreedyOnRows`)."""
+
+    device: torch.device
+    problems: int
+    units: int
+    width: int
+
+    def stack_key(self) -> tuple:
+        return self.device, self.width
+
+    def run(self) -> _UnitRows:
+        p, m, w = self.problems, self.units, self.width
+        norms = torch.empty((3, p, m), dtype=torch.float32, device=self.device)
+        return _UnitRows(torch.empty((p, m, 2 * w), dtype=torch.float32, device=self.device), norms,
+                         torch.empty((p, m), dtype=torch.int8, device=self.device),
+                         torch.empty((p,), dtype=torch.long, device=self.device))
+
+    @classmethod
+    def run_stack(cls, items: Sequence[UnitRowsToMake]) -> list[_UnitRows]:
+        first = items[0]
+        p, m, w = sum(i.problems for i in items), max(i.units for i in items), first.width
+        n_feats, n_norms = p * m * 2 * w, 3 * p * m
+        raw = torch.zeros(8 * p + 4 * (n_feats + n_norms) + p * m, dtype=torch.uint8, device=first.device)
+        floats = raw[8 * p: 8 * p + 4 * (n_feats + n_norms)].view(torch.float32)
+        stack = _UnitRows(floats[:n_feats].view(p, m, 2 * w), floats[n_feats:].view(3, p, m),
+                          raw[8 * p + 4 * (n_feats + n_norms):].view(torch.int8).view(p, m),
+                          raw[: 8 * p].view(torch.long))
+        out, start = [], 0
+        for item in items:
+            stop = start + item.problems
+            out.append(_UnitRows(stack.feats[start:stop], stack.norms[:, start:stop], stack.valid[start:stop],
+                                 stack.k[start:stop], stack, start, stop))
+            start = stop
+        return out
+
+
+@dataclass(frozen=True)
+class GreedyOnRows:
+    """The greedy run of a fused compression's units (:class:`~cords_vllm.selection.together.Stackable`): the Gram
+    GEMMs and the greedy kernel on its rows, or once on the rows a step's compressions share. Returns
+    ``long [P, K]`` (``K >= k_max``, at least 1 column)."""
+
+    rows: _UnitRows
+    width: int
+    k_max: int
+    params: GreedyParams
+
+    def stack_key(self) -> tuple | None:
+        return None if self.rows.stack is None else (id(self.rows.stack), self.params)
+
+    def run(self) -> torch.Tensor:
+        return _greedy(self.rows, self.width, self.k_max, self.params)
+
+    @classmethod
+    def run_stack(cls, items: Sequence[GreedyOnRows]) -> list[torch.Tensor]:
+        first = items[0]
+        order = _greedy(first.rows.stack, first.width, max(i.k_max for i in items), first.params)
+        return [order[i.rows.start:i.rows.stop] for i in items]
+
+
+def _greedy(rows: _UnitRows, width: int, k_max: int, params: GreedyParams) -> torch.Tensor:
+    if k_max == 0:
+        return torch.empty((rows.k.shape[0], 1), dtype=torch.long, device=rows.k.device)  # never read
+    kn, vn, seed = rows.norms.unbind(0)
+    return greedy_from_units(rows.feats, width, kn, vn, seed, rows.valid, rows.k, k_max, params)
+
+
+def compress_region_fused_steps(caches: Sequence[torch.Tensor], held: Sequence, batch, setup,
+                                nonfinite: torch.Tensor | None, codecs: Sequence[KVCodec] | None = None
+                                ) -> SelectionSteps[list | None]:
+    """:func:`compress_region_fused` as a generator (:mod:`~cords_vllm.selection.together`): a step's fused
+    compressions share their units' buffers and one greedy run (the two Gram GEMMs and the greedy kernel for all of
+    them: ``4 N + 4`` launches for ``N`` compressions, where each alone takes 7)."""
     from cords_vllm.compress.step import HeldTokens  # the step imports this module lazily
 
     anchors = setup.anchors
@@ -528,9 +633,9 @@ def compress_region_fused(caches: Sequence[torch.Tensor], held: Sequence, batch,
         return _handed_back(f"more than {MAX_UNITS} units or {GRAM_LIMIT_BYTES >> 30} GiB of Gram matrices")
 
     params = setup.selector.greedy_params()
-    feats = buf(torch.float32, n_prob, max(m_units, 1), 2 * width)
-    kn, vn, seed = (buf(torch.float32, n_prob, max(m_units, 1)) for _ in range(3))
-    valid, k = buf(torch.int8, n_prob, max(m_units, 1)), buf(torch.long, n_prob)
+    rows = yield UnitRowsToMake(device, n_prob, max(m_units, 1), width)
+    feats, valid, k = rows.feats, rows.valid, rows.k
+    kn, vn, seed = rows.norms.unbind(0)
     scan = nonfinite is not None
     s_block, s_head, s_offset, s_channel = first.stride()
     starts = tuple((caches[a].data_ptr() - first.data_ptr()) // first.element_size() for a in anchors)
@@ -541,12 +646,12 @@ def compress_region_fused(caches: Sequence[torch.Tensor], held: Sequence, batch,
     _compiled(interp, "units")[(n_prob, max(m_units, 1) + scan_programs)](
         first, offsets, scales, batch.src_slots.contiguous(), row_of_rank, unit_start, unit_size, count,
         feats, kn, vn, seed, valid, k, flag,
-        n_tok, max(m_units, 1), hp, heads, head_size, frame_budget, k_max,
+        n_tok, max(m_units, 1), feats.shape[1], hp, heads, head_size, frame_budget, k_max,
         s_block, s_head, s_offset, s_channel,
         MODE=mode, PER_HEAD=per_head, SCAN=scan, FP8=fp8, BLOCK_SIZE=block_size,
         BLOCK_F=max(16, triton.next_power_of_2(width)), SCAN_T=SCAN_ROWS)
 
-    order = greedy_from_units(feats, width, kn, vn, seed, valid, k, k_max, params) if k_max > 0 else empty_long
+    order = yield GreedyOnRows(rows, width, k_max, params)
     num_keep = batch.num_keep
     shape = (n_anchor, hp, num_keep)  # the held tokens' views below keep this root
     positions = buf(torch.long, *shape)
@@ -556,7 +661,7 @@ def compress_region_fused(caches: Sequence[torch.Tensor], held: Sequence, batch,
         order, k, still, count, elig_rank, unit_of, unit_start, unit_size, protect,
         region_ids, region_video, region_labels, kept_count, positions, out_ids, out_video, out_labels,
         flag, nonfinite if scan else empty_long,
-        n_tok, max(m_units, 1), k_max, num_keep,
+        n_tok, max(m_units, 1), k_max, order.stride(0), num_keep,
         LABELS=labels, SCAN=scan, BLOCK_T=block_t, BLOCK_K=max(16, triton.next_power_of_2(max(k_max, 1))),
         num_warps=_row_warps(block_t))
 

@@ -14,6 +14,7 @@ import dataclasses
 import importlib.util
 import inspect
 import logging
+import sys
 
 import pytest
 import torch
@@ -244,8 +245,8 @@ def test_fp8_caches_are_decoded_with_their_scales(monkeypatch, kv_dtype, granula
     as the codec does, and the copy moves the bytes."""
     ref = _compress_twice("torch", 4, "cords", granularity, per_head, (0, 0, 2), 0.25, kv_dtype=kv_dtype)
     calls = []
-    fused = step_triton.compress_region_fused
-    monkeypatch.setattr(step_triton, "compress_region_fused", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    fused = step_triton.compress_region_fused_steps
+    monkeypatch.setattr(step_triton, "compress_region_fused_steps", lambda *a, **k: calls.append(1) or fused(*a, **k))
     got = _compress_twice("triton", 4, "cords", granularity, per_head, (0, 0, 2), 0.25, kv_dtype=kv_dtype)
     assert len(calls) == len(got)
     _assert_same(ref, got)
@@ -255,8 +256,8 @@ def test_the_fused_path_runs_and_hands_back_what_it_does_not_cover(monkeypatch):
     """The default policy runs the fused step; the exact novelty and the normalized space run the PyTorch path (the
     fused step is never entered), and keep the same tokens under either choice."""
     calls = []
-    fused = step_triton.compress_region_fused
-    monkeypatch.setattr(step_triton, "compress_region_fused", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    fused = step_triton.compress_region_fused_steps
+    monkeypatch.setattr(step_triton, "compress_region_fused_steps", lambda *a, **k: calls.append(1) or fused(*a, **k))
     _compress_twice("triton", 1, "cords", "token", False, (0, 0, 0), 0.25)
     assert calls
     for params in ({"novelty": "exact"}, {"space": "normalized"}):
@@ -298,6 +299,7 @@ def test_a_trim_that_keeps_the_newest_tokens_of_a_frame_is_caught(monkeypatch, t
                                            "other=0) - 1 - (rank - first) < quota)"))
     spec = importlib.util.spec_from_file_location("newest_first_trim", mutant)
     module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses resolve their module
     spec.loader.exec_module(module)
     refs = {seed: _compress_twice("torch", seed, "cords", "frame", False, (0, 0, 0), 0.25) for seed in range(2, 6)}
     for seed, ref in refs.items():
