@@ -8,6 +8,9 @@
 # 2. benchmarks/compress_step.py: one compression at a 7B model's shape per granularity and anchor set, the Triton
 #    kernels against the PyTorch path and the copy floor (wall and GPU ms, launches, host syncs, same kept ids), and
 #    the targets, PASS or MISS.
+# 3. benchmarks/step_together.py: a step of 1, 2, 4 and 8 compressions at a 7B model's shape, together (one greedy
+#    run for the step on the fused path) against one after another, per implementation, at token granularity (where
+#    the greedy run is the cost) and at the default unit.
 # One summary at the end; exit 1 when a test failed or a kernel kept other tokens than the PyTorch path.
 # scripts/gpu-check.sh (the whole engine on a GPU) runs the same tests and benchmark among its steps.
 set -uo pipefail
@@ -16,7 +19,7 @@ OUT=gpu-core-check-out
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) OUT=$2; shift 2 ;;
-    -h|--help) sed -n 2,12p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,15p "$0"; exit 0 ;;
     *) echo "unknown argument: $1" >&2; exit 2 ;;
   esac
 done
@@ -33,11 +36,18 @@ start=$(date +%s)
 tests=$?
 "$PY" benchmarks/compress_step.py --out "$OUT" > "$OUT/compress_step.log" 2>&1
 bench=$?
+together=0
+for unit in token auto; do
+  "$PY" benchmarks/step_together.py --granularity "$unit" --out "$OUT/step_together_$unit" \
+    > "$OUT/step_together_$unit.log" 2>&1 || together=1
+done
 
 echo
 echo "## cords-vllm GPU core check ($(( $(date +%s) - start )) s)"
 echo "tests (exit $tests): $(grep -E '(passed|failed|error)' "$OUT/pytest.log" | tail -1)"
 echo "benchmark (exit $bench):"
 if [ -f "$OUT/compress_step.md" ]; then cat "$OUT/compress_step.md"; else tail -20 "$OUT/compress_step.log"; fi
+echo "a step's compressions together (exit $together):"
+for unit in token auto; do tail -8 "$OUT/step_together_$unit.log"; done
 echo "logs: $OUT/"
-[ "$tests" -eq 0 ] && [ "$bench" -eq 0 ]
+[ "$tests" -eq 0 ] && [ "$bench" -eq 0 ] && [ "$together" -eq 0 ]
