@@ -24,6 +24,9 @@
 7. **CUDA-gated tests**: pytest on ``tests/compress`` and every test file skipped without CUDA.
 8. **compress-step benchmark**: ``benchmarks/compress_step.py``, the Triton kernels against the PyTorch path and
    the copy floor at a 7B model's shape (the kept tokens must be the same; the speed targets are reported).
+9. **a step's compressions together**: ``benchmarks/step_together.py`` at token granularity, a step of 1-8
+   compressions together (one greedy run on the fused path) against one after another, per implementation (the
+   tokens and caches must be the same; the speed-up is reported).
 
 It prints one summary table (step, PASS / FAIL / SKIP with the reason, seconds), writes it with every server's
 log under ``--out``, and exits 1 when any step failed. A failed step never stops the others.
@@ -606,6 +609,30 @@ def compress_step_row(cpu: bool, out: Path) -> Row:
     return timed("compress-step benchmark (kernels vs PyTorch)", run)
 
 
+def step_together_row(cpu: bool, out: Path) -> Row:
+    """``benchmarks/step_together.py --granularity token`` (a step's compressions together against one after another,
+    Triton kernels and PyTorch path; SKIP in ``--cpu`` mode). FAIL when together keeps other tokens or leaves other
+    caches than alone; the speed-up is reported."""
+
+    def run() -> str:
+        if cpu:
+            raise Skip("no CUDA device in --cpu mode (compress_regions is tested in the default suite)")
+        result_dir = out / "step_together"
+        proc = subprocess.run([sys.executable, "benchmarks/step_together.py", "--granularity", "token", "--out",
+                               str(result_dir)], cwd=REPO, env=_python_env(), capture_output=True, text=True,
+                              timeout=1800, check=False)
+        (out / "step_together.log").write_text(proc.stdout + proc.stderr)
+        if proc.returncode != 0:
+            raise Fail(f"exit status {proc.returncode}: {first_error(proc.stdout + proc.stderr)} "
+                       "(see step_together.log)")
+        rows = json.loads((result_dir / "step_together.json").read_text())["rows"]
+        most = max(r["requests"] for r in rows)
+        gains = ", ".join(f"{r['kernels']} {r['speedup']:.2f}x" for r in rows if r["requests"] == most)
+        return f"same tokens and caches; {most} compressions together vs alone: {gains}"
+
+    return timed("a step's compressions together (token granularity)", run)
+
+
 def cuda_device_row() -> Row:
     """The CUDA device vLLM will use (FAIL without one: the check needs ``--cpu`` then)."""
 
@@ -734,6 +761,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows.extend(f.result() for f in exact)
     rows.append(pytest_row(args.cpu, args.out))
     rows.append(compress_step_row(args.cpu, args.out))
+    rows.append(step_together_row(args.cpu, args.out))
     return report(rows, args, started)
 
 

@@ -17,6 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 #: Rows skipped on CPU by design; every other row must pass.
 CPU_SKIPS = {"install .[cuda,dev,ray]", "CUDA-gated tests (pytest)", "compress-step benchmark (kernels vs PyTorch)",
+             "a step's compressions together (token granularity)",
              "plain vLLM bf16: live stream",
              *(f"cords bf16 + Ray: {part}" for part in ("serve", "video chats", "live stream",
                                                          "/metrics compressions", "KV blocks returned"))}
@@ -32,6 +33,7 @@ REQUIRED = [
     "HF exactness, layers 0..1 compressed, the others whole",
     "CUDA-gated tests (pytest)",
     "compress-step benchmark (kernels vs PyTorch)",
+    "a step's compressions together (token granularity)",
 ]
 
 
