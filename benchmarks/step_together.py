@@ -7,7 +7,7 @@ each ``N`` of ``--requests``:
 * ``alone ms``: the ``N`` compressions one after another (:func:`~cords_vllm.compress.step.compress_region` per
   request: what the worker did before);
 * ``together ms``: the same compressions in one :func:`~cords_vllm.compress.step.compress_regions` call (what the
-  worker does: the greedy orders of every request in one policy call, the copies as one per layer);
+  worker does: the greedy orders of every request in one policy call; on the fused kernel path one greedy run);
 * ``speed-up``: alone over together; ``same``: every request keeps the same tokens and the caches end equal, bit
   for bit.
 

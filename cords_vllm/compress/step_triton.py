@@ -60,7 +60,7 @@ from cords_vllm.compress.kv_codec import Fp8Codec, KVCodec, PlainCodec
 from cords_vllm.kernel_backend import interpreting
 from cords_vllm.selection.cords import GreedyParams
 from cords_vllm.selection.cords_triton import GRAM_LIMIT_BYTES, MAX_UNITS, greedy_from_units
-from cords_vllm.selection.together import SelectionSteps, run_alone
+from cords_vllm.selection.together import SelectionSteps
 from cords_vllm.utils import cdiv
 
 try:
@@ -363,8 +363,8 @@ if triton is not None:  # the units kernel's helpers: jitted (compiled or interp
 
 def not_covered(selector, accessors: Sequence[KVAccessor], caches: Sequence[torch.Tensor],
                 codecs: Sequence[KVCodec] | None, anchor_of: Sequence[int], gathers_heads: bool) -> str | None:
-    """Why :func:`compress_region_fused` does not run an engine's compressions (``None``: it does), for the start-up
-    line and :func:`covers`; see the module docstring's "Not covered"."""
+    """Why :func:`compress_region_fused_steps` does not run an engine's compressions (``None``: it does), for the
+    start-up line and :func:`covers`; see the module docstring's "Not covered"."""
     anchors = sorted(set(anchor_of))
     if selector.greedy_params() is None:
         return (f"{selector.name} with these settings is not the greedy D^2 run the kernels take (cords with the "
@@ -389,7 +389,7 @@ def not_covered(selector, accessors: Sequence[KVAccessor], caches: Sequence[torc
 
 def covers(selector, accessors: Sequence[KVAccessor], caches: Sequence[torch.Tensor],
            codecs: Sequence[KVCodec] | None, anchor_of: Sequence[int], gathers_heads: bool) -> bool:
-    """Whether :func:`compress_region_fused` runs this compression (:func:`not_covered` finds no reason)."""
+    """Whether :func:`compress_region_fused_steps` runs this compression (:func:`not_covered` finds no reason)."""
     return not_covered(selector, accessors, caches, codecs, anchor_of, gathers_heads) is None
 
 
@@ -423,7 +423,7 @@ def _scales(codecs: Sequence[KVCodec], anchors: Sequence[int], heads: int, devic
 @functools.cache
 def _handed_back(reason: str) -> None:
     """Say once per reason that a compression ran the PyTorch plumbing instead of the fused step; returns ``None``
-    (what :func:`compress_region_fused` returns then)."""
+    (what :func:`compress_region_fused_steps` returns then)."""
     logger.info("cords-vllm: a compression ran the greedy kernel and the copy, not the fused step: %s", reason)
 
 
@@ -443,17 +443,6 @@ def _stacked(held: Sequence, anchors: Sequence[int]):
         else:
             fields.append(torch.stack(parts))
     return fields
-
-
-def compress_region_fused(caches: Sequence[torch.Tensor], held: Sequence, batch, setup,
-                          nonfinite: torch.Tensor | None, codecs: Sequence[KVCodec] | None = None) -> list | None:
-    """:func:`~cords_vllm.compress.step.compress_region` (same arguments, same result) in seven launches (eight with
-    an fp8 cache).
-
-    ``None``, before anything is written (the caller then runs the PyTorch path): the region exceeds
-    :data:`MAX_ROWS` or the problem the greedy kernel's limits, or a layer holds other tokens than its anchor (held
-    tokens not shared the way this step and the reference return them). The caller checks :func:`covers` first."""
-    return run_alone(compress_region_fused_steps(caches, held, batch, setup, nonfinite, codecs))
 
 
 @dataclass(eq=False)
@@ -546,9 +535,14 @@ def _greedy(rows: _UnitRows, width: int, k_max: int, params: GreedyParams) -> to
 def compress_region_fused_steps(caches: Sequence[torch.Tensor], held: Sequence, batch, setup,
                                 nonfinite: torch.Tensor | None, codecs: Sequence[KVCodec] | None = None
                                 ) -> SelectionSteps[list | None]:
-    """:func:`compress_region_fused` as a generator (:mod:`~cords_vllm.selection.together`): a step's fused
-    compressions share their units' buffers and one greedy run (the two Gram GEMMs and the greedy kernel for all of
-    them: ``4 N + 4`` launches for ``N`` compressions, where each alone takes 7)."""
+    """:func:`~cords_vllm.compress.step.compress_region` (same arguments, same result) in seven launches (eight with
+    an fp8 cache), as a generator (:mod:`~cords_vllm.selection.together`): a step's fused compressions share their
+    units' buffers and one greedy run (the two Gram GEMMs and the greedy kernel for all of them: ``4 N + 4`` launches
+    for ``N`` compressions).
+
+    Returns ``None``, before anything is written (the caller then runs the PyTorch path): the region exceeds
+    :data:`MAX_ROWS` or the problem the greedy kernel's limits, or a layer holds other tokens than its anchor (held
+    tokens not shared the way this step and the reference return them). The caller checks :func:`covers` first."""
     from cords_vllm.compress.step import HeldTokens  # the step imports this module lazily
 
     anchors = setup.anchors

@@ -9,7 +9,8 @@ gets back its own rows, cut to its own ``k_max``.
 How a caller takes part: the selection of one compression runs as a *generator* (``Selector.select_steps``,
 :func:`~cords_vllm.selection.exact.select_exact_steps`, and the compress step's own) that yields a piece of work
 where several compressions' work is cheaper done at once (a :class:`Stackable`: :class:`UnitsToOrder`, its
-policy's order; the compress step's copy of the kept tokens) and receives that work's result back.
+policy's order; on the fused kernel path, its units' buffers and its greedy run,
+:mod:`~cords_vllm.compress.step_triton`) and receives that work's result back.
 :func:`run_alone` drives one such generator (what the plain functions do); :func:`run_together` drives several,
 doing the work of every yield with the same :meth:`Stackable.stack_key` in one call.
 
@@ -73,7 +74,16 @@ class UnitsToOrder:
 
     @classmethod
     def run_stack(cls, items: Sequence[UnitsToOrder]) -> list[torch.Tensor]:
-        return order_together(items)
+        """Every item's order (``long [P_r, k_max_r]`` each) from one policy call on their problems, stacked by
+        :func:`stack_units`."""
+        units = [item.units for item in items]
+        order = items[0].selector._order_units(stack_units(units))
+        out, row = [], 0
+        for u in units:
+            p_count = u.valid.shape[0]
+            out.append(order[row:row + p_count, :u.k_max])
+            row += p_count
+        return out
 
 
 def run_alone(steps: SelectionSteps[T]) -> T:
@@ -125,23 +135,6 @@ def run_together(runs: Sequence[SelectionSteps[Any]]) -> list[Any]:
             for i, result in zip(members, done, strict=True):
                 advance(i, "send", result)
     return results
-
-
-def order_together(requests: Sequence[UnitsToOrder]) -> list[torch.Tensor]:
-    """The order of every request (``long [P_r, k_max_r]`` each), in one policy call when there are several.
-
-    The requests share a :meth:`~UnitsToOrder.stack_key`; their problems are stacked by :func:`stack_units`.
-    """
-    if len(requests) == 1:
-        return [requests[0].run()]
-    units = [r.units for r in requests]
-    order = requests[0].selector._order_units(stack_units(units))
-    out, row = [], 0
-    for u in units:
-        p_count = u.valid.shape[0]
-        out.append(order[row:row + p_count, :u.k_max])
-        row += p_count
-    return out
 
 
 def stack_units(units: Sequence[UnitBatch]) -> UnitBatch:
