@@ -47,3 +47,18 @@ def test_eight_videos_run_concurrently_under_cords_but_not_none(tiny_model):
     assert none.free_blocks_after == none.free_blocks_before
     assert none.published_peak == max(none.max_blocks_held.values())
     assert cdiv(2063, BLOCK) <= none.published_peak <= cdiv(2063 + 4, BLOCK)  # the whole prompt and its answer
+
+
+def test_requests_the_policy_never_compresses_are_admitted_as_under_none(tiny_model):
+    """A budget the videos never pass (as after vLLM's video pruning): the policy bounds nothing, so admission,
+    preemption and every token are vLLM's own; the growth reserve is kept for requests the policy bounds."""
+    prompts = [{"prompt": VIDEO_PROMPT, "multi_modal_data": {"video": video(FRAMES, seed=i)}} for i in range(8)]
+    kwargs = _pool_kwargs(tiny_model)
+    none = run_engine(tiny_model, prompts, "none", max_tokens=4, engine_kwargs=kwargs)
+    assert none.num_preemptions > 0  # the pool binds: vLLM admits, then preempts
+    cords = run_engine(tiny_model, prompts, "cords", max_tokens=4, engine_kwargs=kwargs, budget=FRAMES * 32,
+                       slack=64, max_text_tokens=64)
+    assert cords.compressions == 0
+    assert (cords.max_running, cords.num_preemptions) == (none.max_running, none.num_preemptions)
+    assert cords.token_ids == none.token_ids
+    assert cords.free_blocks_after == cords.free_blocks_before

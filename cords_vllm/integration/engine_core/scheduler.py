@@ -259,18 +259,25 @@ class SchedulerCompressor:
         vLLM admits a request when its own reservation fits in the free blocks, ignoring how much the
         running requests will still grow; compressed requests grow to a known footprint, so a new request is
         admitted only if it fits next to that growth, which avoids predictable preemptions.
+
+        Only requests the policy bounds count: one whose video never passes the budget (its footprint is its
+        whole prompt, e.g. after vLLM's video pruning) grows as under ``none``, so it is left to vLLM's own
+        rule, admit and preempt if needed, and the policy costs nothing where it never compresses.
         """
         if request.request_id in self.manager.req_to_blocks:
             return 0  # already admitted: this is a chunk allocation
         reserve = 0
         for req_id, row in self.manager.req_to_blocks.items():
             tracker = self.trackers.get(req_id)
-            if tracker is not None and (footprint := tracker.known_footprint) is not None:
-                reserve += max(0, footprint - non_null_blocks(row, tracker.state))
-                if self.whole_managers and (admitted := self.requests.get(req_id)) is not None:
-                    # the whole layers' rows grow to the whole prompt
-                    prompt = cdiv(admitted.num_prompt_tokens, self.block_size)
-                    reserve += sum(max(0, prompt - len(m.req_to_blocks.get(req_id, ()))) for m in self.whole_managers)
+            admitted = self.requests.get(req_id)
+            if tracker is None or admitted is None or (footprint := tracker.known_footprint) is None:
+                continue
+            if footprint >= cdiv(admitted.num_tokens, self.block_size):
+                continue  # not bounded by the policy: vLLM's rule
+            reserve += max(0, footprint - non_null_blocks(row, tracker.state))
+            if self.whole_managers:  # the whole layers' rows grow to the whole prompt
+                prompt = cdiv(admitted.num_prompt_tokens, self.block_size)
+                reserve += sum(max(0, prompt - len(m.req_to_blocks.get(req_id, ()))) for m in self.whole_managers)
         return reserve
 
     def whole_blocks(self, req_id: str) -> int:
