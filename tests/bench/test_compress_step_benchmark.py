@@ -7,24 +7,19 @@ kept the PyTorch path's tokens, and the JSON and the table are written.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "compress_step.py"
+from tests.scripts import load_benchmark
 
 pytest.importorskip("triton")
 
 
 def test_the_benchmark_compares_both_implementations_on_every_case(tmp_path: Path, capsys) -> None:
-    spec = importlib.util.spec_from_file_location("compress_step_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("compress_step_benchmark", module)
-    spec.loader.exec_module(module)
+    module = load_benchmark("compress_step")
     device = "cuda" if torch.cuda.is_available() else "cpu"  # compiled on a GPU, interpreted on CPU
     assert module.main(["--quick", "--device", device, "--repeats", "1", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "compress_step.json").read_text())

@@ -2,21 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
+
+from tests.scripts import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _module():
-    spec = importlib.util.spec_from_file_location("layer_scope_benchmark", ROOT / "benchmarks" / "layer_scope.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_table_and_plot_from_the_stored_64_frame_results(tmp_path, capsys):
-    bench = _module()
+    bench = load_benchmark("layer_scope")
     assert bench.main([str(ROOT / "benchmarks/results/accuracy_layers_64f.json"), "--layers", "4",
                        "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out

@@ -4,19 +4,14 @@ together and one after another keep the same tokens and leave the same caches, a
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "step_together.py"
+from tests.scripts import load_benchmark
 
 
 def test_the_benchmark_compares_together_with_alone(tmp_path: Path, capsys) -> None:
-    spec = importlib.util.spec_from_file_location("step_together_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("step_together_benchmark", module)
-    spec.loader.exec_module(module)
+    module = load_benchmark("step_together")
     assert module.main(["--quick", "--requests", "2", "--repeats", "1", "--kernels", "triton", "torch",
                         "--out", str(tmp_path)]) == 0  # the kernels under Triton's interpreter without a GPU
     rows = json.loads((tmp_path / "step_together.json").read_text())["rows"]

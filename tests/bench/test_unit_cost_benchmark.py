@@ -2,18 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "unit_cost.py"
+from tests.scripts import load_benchmark
 
 
 def test_the_benchmark_times_frame_auto_and_token(capsys) -> None:
-    spec = importlib.util.spec_from_file_location("unit_cost_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("unit_cost_benchmark", module)
-    spec.loader.exec_module(module)
+    module = load_benchmark("unit_cost")
     assert module.main(["--shape", "512:96:32", "--heads", "2", "--head-size", "16", "--repeats", "1"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 512 |")]
     # 96 kept of 32-token frames: the widest run dividing a frame that still keeps 32 units is 2 tokens

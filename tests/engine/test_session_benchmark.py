@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "session_length.py"
+from tests.scripts import load_benchmark
 
 pytestmark = pytest.mark.engine
 
 
 def test_session_length_benchmark_reports_flat_blocks_past_the_pool(tmp_path: Path, capsys) -> None:
-    spec = importlib.util.spec_from_file_location("session_length_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("session_length_benchmark", module)
-    spec.loader.exec_module(module)
+    module = load_benchmark("session_length")
     assert module.main(["--pools", "3", "--pool-blocks", "24", "--budget", "192", "--max-text-tokens", "128",
                         "--out", str(tmp_path)]) == 0
     summaries = {s["label"]: s for s in json.loads((tmp_path / "results.json").read_text())["summaries"]}

@@ -2,29 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "accuracy.py"
+from tests.scripts import load_benchmark
 
 pytestmark = pytest.mark.engine
 
 
-def _load_script():
-    spec = importlib.util.spec_from_file_location("accuracy_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    sys.modules.setdefault("accuracy_benchmark", module)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_accuracy_benchmark_reports_cells_controls_and_plots(tmp_path: Path) -> None:
-    script = _load_script()
+    script = load_benchmark("accuracy")
     rc = script.main(["--families", "colour", "order", "--per-family", "3", "--fractions", "0.25",
                       "--policies", "cords", "recency:recent=0", "--granularity", "token", "--chunk", "64",
                       "--out", str(tmp_path)])
@@ -56,7 +45,7 @@ def test_accuracy_benchmark_reports_cells_controls_and_plots(tmp_path: Path) -> 
 @pytest.mark.slow
 @pytest.mark.parametrize("equal", ["frames", "kv"])
 def test_accuracy_benchmark_compares_frames_as_images_with_the_video(tmp_path: Path, capsys, equal: str) -> None:
-    script = _load_script()
+    script = load_benchmark("accuracy")
     rc = script.main(["--families", "colour", "static", "--per-family", "2", "--fractions", "0.25",
                       "--policies", "cords", "--inputs", "video", "images", "--equal", equal, "--no-controls",
                       "--split", "monitor", "--out", str(tmp_path)])

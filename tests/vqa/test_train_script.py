@@ -2,27 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "train_vqa.py"
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("train_vqa", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    sys.modules.setdefault("train_vqa", module)  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+from tests.scripts import load_benchmark
 
 
 def test_curriculum_and_weights_parse() -> None:
-    script = _load_script()
+    script = load_benchmark("train_vqa")
     args = script.parse_args(["--curriculum", "colour@16,32:5", "--family-weights", "count=2"])
     stages = script.make_stages(args, script.make_families(args))
     assert stages[0].describe() == {"families": ["colour"], "frames": [16, 32], "steps": 5}
@@ -33,7 +22,7 @@ def test_curriculum_and_weights_parse() -> None:
 
 
 def test_input_shapes_parse() -> None:
-    script = _load_script()
+    script = load_benchmark("train_vqa")
     assert script.input_shapes(script.parse_args([])) == ["video"]
     assert script.input_shapes(script.parse_args(["--inputs", "video,images,images"])) == ["video", "images"]
     with pytest.raises(SystemExit, match="--inputs"):
@@ -42,7 +31,7 @@ def test_input_shapes_parse() -> None:
 
 @pytest.mark.slow
 def test_training_smoke(tmp_path: Path) -> None:
-    script = _load_script()
+    script = load_benchmark("train_vqa")
     out = tmp_path / "run"
     script.main(["--steps", "3", "--frames", "8", "--size", "56", "--batch", "4", "--eval-every", "2",
                  "--monitor-per-family", "2", "--heldout-per-family", "2", "--vllm-per-family", "2",
