@@ -262,7 +262,8 @@ class SchedulerCompressor:
 
         Only requests the policy bounds count: one whose video never passes the budget (its footprint is its
         whole prompt, e.g. after vLLM's video pruning) grows as under ``none``, so it is left to vLLM's own
-        rule, admit and preempt if needed, and the policy costs nothing where it never compresses.
+        rule, admit and preempt if needed, and the policy costs nothing where it never compresses. A live
+        stream always counts: once re-based it cannot be preempted, so its turn's growth stays reserved.
         """
         if request.request_id in self.manager.req_to_blocks:
             return 0  # already admitted: this is a chunk allocation
@@ -272,8 +273,8 @@ class SchedulerCompressor:
             admitted = self.requests.get(req_id)
             if tracker is None or admitted is None or (footprint := tracker.known_footprint) is None:
                 continue
-            if footprint >= cdiv(admitted.num_tokens, self.block_size):
-                continue  # not bounded by the policy: vLLM's rule
+            if footprint >= cdiv(admitted.num_tokens, self.block_size) and not getattr(admitted, "resumable", False):
+                continue  # not bounded by the policy: vLLM's rule (a live stream keeps its reserve)
             reserve += max(0, footprint - non_null_blocks(row, tracker.state))
             if self.whole_managers:  # the whole layers' rows grow to the whole prompt
                 prompt = cdiv(admitted.num_prompt_tokens, self.block_size)
