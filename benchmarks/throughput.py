@@ -8,7 +8,9 @@ it yourself with the policy you want to measure) and the server's own ``/metrics
     python benchmarks/throughput.py --mode http --url http://127.0.0.1:8000 --label cords
 
 Prints one table per run, the ratios against ``none``, and writes ``results.json`` plus PNG plots to
-``--out``.
+``--out``. ``--repeats N`` (offline) runs ``N`` rounds of every cell, in an order rotated each round, and reports
+each cell's speed-up over ``none`` round by round (median and range): one run of a few seconds moves by several
+percent from run to run, so a claim of a few percent needs the rounds.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+from cords_vllm.lab.bench.repeats import PAIRED_COLUMNS, median_run, paired_speedups, round_order
 from cords_vllm.lab.bench.report import RATIO_COLUMNS, format_table, plot_results, ratios, write_json
 from cords_vllm.lab.bench.workload import VideoWorkload
 
@@ -63,8 +66,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk", type=int, default=512, help="prefill tokens per request per step")
     p.add_argument("--step-tokens", type=int, default=4096, help="tokens per engine step")
     p.add_argument("--out", type=Path, default=Path("benchmarks/out/throughput"))
+    p.add_argument("--repeats", type=int, default=1,
+                   help="offline: rounds of every cell (order rotated each round); speed-ups paired by round")
     p.add_argument("--no-plots", action="store_true")
     args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.repeats > 1 and args.mode == "http":
+        p.error("--repeats runs the offline cells; in --mode http, run the command once per server start")
 
     from tqdm import tqdm
 
@@ -75,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
           f"({args.frames} frames of {args.size}x{args.size}), arrivals: "
           f"{f'Poisson {args.rate:.2f}/s' if args.rate else 'all at once'}; machine: {_machine()}", flush=True)
     results = []
+    rounds: list[list[dict]] = []
     if args.mode == "http":
         from cords_vllm.lab.bench.http import run_http
 
@@ -91,18 +101,34 @@ def main(argv: list[str] | None = None) -> int:
                                   pool_videos=args.pool_videos)
         defaults = {"budget": args.budget}
         specs = [pruning.parse(text, defaults) for text in (args.policies or _default_policies())]
-        for spec in specs:
-            with tqdm(total=args.requests, desc=f"{spec.label:>20}", unit="req") as bar:
-                results.append(run_offline(model, spec, workload, settings, on_progress=bar.update))
+        if len({s.label for s in specs}) != len(specs):
+            p.error("--policies names a cell twice (use --repeats to run cells again)")
+        runs: dict[str, list] = {s.label: [] for s in specs}
+        for index in range(args.repeats):
+            for spec in round_order(specs, index):
+                desc = spec.label if args.repeats == 1 else f"{spec.label} ({index + 1}/{args.repeats})"
+                with tqdm(total=args.requests, desc=f"{desc:>20}", unit="req") as bar:
+                    runs[spec.label].append(run_offline(model, spec, workload, settings, on_progress=bar.update))
+            rounds.append([runs[s.label][index].summary() for s in specs])
+        results = [median_run(r, [x.wall_seconds for x in r]) for r in runs.values()]
     rows = [r.summary() for r in results]
     print()
+    if args.repeats > 1:
+        print(f"each cell's run of median wall time, of {args.repeats}:")
     print(format_table(rows))
     ratio_rows = ratios(rows)
     if ratio_rows:
-        print("\nagainst none (same requests, same run):")
+        print("\nagainst none (same requests, same run):" if args.repeats == 1 else
+              "\nagainst none (same requests, each cell's median run):")
         print(format_table(ratio_rows, RATIO_COLUMNS))
+    paired = paired_speedups(rounds) if args.repeats > 1 else []
+    if paired:
+        print(f"\nagainst none, round by round ({args.repeats} rounds, speed-up = none's wall / the cell's):")
+        print(format_table(paired, PAIRED_COLUMNS))
     payload = {"machine": _machine(), "argv": sys.argv[1:], "workload": vars(workload) | {
         "video_tokens": workload.video_tokens}, "results": [r.to_json() for r in results], "ratios": ratio_rows}
+    if args.repeats > 1:
+        payload |= {"repeats": args.repeats, "rounds": rounds, "paired": paired}
     write_json(args.out / "results.json", payload)
     print(f"\nwrote {args.out / 'results.json'}")
     if not args.no_plots:
