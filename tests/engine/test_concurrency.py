@@ -6,7 +6,7 @@ import pytest
 
 from cords_vllm.compress.plan import BudgetSettings, compressed_footprint_blocks
 from cords_vllm.utils import cdiv
-from tests.engine.conftest import BLOCK, VIDEO_PROMPT, run_engine, video
+from tests.engine.conftest import BLOCK, VIDEO_PROMPT, EngineRun, run_engine, video
 
 pytestmark = pytest.mark.engine
 
@@ -28,10 +28,19 @@ def _pool_kwargs(tiny_model) -> dict:
             "long_prefill_token_threshold": 256}
 
 
-def test_eight_videos_run_concurrently_under_cords_but_not_none(tiny_model):
-    prompts = [{"prompt": VIDEO_PROMPT, "multi_modal_data": {"video": video(FRAMES, seed=i)}} for i in range(8)]
+def _prompts() -> list[dict]:
+    return [{"prompt": VIDEO_PROMPT, "multi_modal_data": {"video": video(FRAMES, seed=i)}} for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def none_run(tiny_model) -> EngineRun:
+    """The eight videos in the pool for two, uncompressed (both tests compare with it)."""
+    return run_engine(tiny_model, _prompts(), "none", max_tokens=4, engine_kwargs=_pool_kwargs(tiny_model))
+
+
+def test_eight_videos_run_concurrently_under_cords_but_not_none(tiny_model, none_run):
     kwargs = _pool_kwargs(tiny_model)
-    cords = run_engine(tiny_model, prompts, "cords", max_tokens=4, engine_kwargs=kwargs, budget=256, slack=64)
+    cords = run_engine(tiny_model, _prompts(), "cords", max_tokens=4, engine_kwargs=kwargs, budget=256, slack=64)
     assert all(len(t) == 4 for t in cords.token_ids)
     assert cords.max_running >= 6, cords.max_running
     assert cords.num_preemptions == 0
@@ -40,7 +49,7 @@ def test_eight_videos_run_concurrently_under_cords_but_not_none(tiny_model):
     assert cords.published_peak == max(cords.max_blocks_held.values())
     assert cords.published_peak <= compressed_footprint_blocks(2063 + 4, FRAMES * 32, BudgetSettings(256, 64, 64),
                                                                BLOCK)
-    none = run_engine(tiny_model, prompts, "none", max_tokens=4, engine_kwargs=kwargs)
+    none = none_run
     assert all(len(t) == 4 for t in none.token_ids)
     # uncompressed, at most two fit: the others wait, or are admitted and then preempted
     assert none.max_running <= 2 or none.num_preemptions > 0, (none.max_running, none.num_preemptions)
@@ -49,15 +58,13 @@ def test_eight_videos_run_concurrently_under_cords_but_not_none(tiny_model):
     assert cdiv(2063, BLOCK) <= none.published_peak <= cdiv(2063 + 4, BLOCK)  # the whole prompt and its answer
 
 
-def test_requests_the_policy_never_compresses_are_admitted_as_under_none(tiny_model):
+def test_requests_the_policy_never_compresses_are_admitted_as_under_none(tiny_model, none_run):
     """A budget the videos never pass (as after vLLM's video pruning): the policy bounds nothing, so admission,
     preemption and every token are vLLM's own; the growth reserve is kept for requests the policy bounds."""
-    prompts = [{"prompt": VIDEO_PROMPT, "multi_modal_data": {"video": video(FRAMES, seed=i)}} for i in range(8)]
-    kwargs = _pool_kwargs(tiny_model)
-    none = run_engine(tiny_model, prompts, "none", max_tokens=4, engine_kwargs=kwargs)
+    none = none_run
     assert none.num_preemptions > 0  # the pool binds: vLLM admits, then preempts
-    cords = run_engine(tiny_model, prompts, "cords", max_tokens=4, engine_kwargs=kwargs, budget=FRAMES * 32,
-                       slack=64, max_text_tokens=64)
+    cords = run_engine(tiny_model, _prompts(), "cords", max_tokens=4, engine_kwargs=_pool_kwargs(tiny_model),
+                       budget=FRAMES * 32, slack=64, max_text_tokens=64)
     assert cords.compressions == 0
     assert (cords.max_running, cords.num_preemptions) == (none.max_running, none.num_preemptions)
     assert cords.token_ids == none.token_ids
