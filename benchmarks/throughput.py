@@ -7,9 +7,9 @@ it yourself with the policy you want to measure) and the server's own ``/metrics
     python benchmarks/throughput.py --requests 16 --frames 128 --size 448 --budget 2048
     python benchmarks/throughput.py --mode http --url http://127.0.0.1:8000 --label cords
 
-Prints one table per run, the ratios against ``none``, and writes ``results.json`` plus PNG plots to
+Prints one table per run, the ratios against ``none`` (or ``--baseline``), and writes ``results.json`` plus PNG plots to
 ``--out``. ``--repeats N`` (offline) runs ``N`` rounds of every cell, in an order rotated each round, and reports
-each cell's speed-up over ``none`` round by round (median and range): one run of a few seconds moves by several
+each cell's speed-up over the baseline round by round (median and range): one run of a few seconds moves by several
 percent from run to run, so a claim of a few percent needs the rounds.
 """
 
@@ -68,10 +68,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("benchmarks/out/throughput"))
     p.add_argument("--repeats", type=int, default=1,
                    help="offline: rounds of every cell (order rotated each round); speed-ups paired by round")
+    p.add_argument("--baseline", default=None,
+                   help="the cell the ratios compare with (default: none, when it runs), e.g. evs for evs+cords "
+                        "against evs")
     p.add_argument("--no-plots", action="store_true")
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.baseline is not None and args.mode == "http":
+        p.error("--baseline compares offline cells; --mode http measures one server")
+    baseline = args.baseline or "none"
     if args.repeats > 1 and args.mode == "http":
         p.error("--repeats runs the offline cells; in --mode http, run the command once per server start")
 
@@ -95,14 +101,16 @@ def main(argv: list[str] | None = None) -> int:
         from cords_vllm.lab.bench.offline import EngineSettings, run_offline
         from cords_vllm.lab.synthetic import TinyModelSpec, build_tiny_model
 
-        max_pixels = max(224 * 224, args.size * args.size)
-        model = build_tiny_model(TinyModelSpec(max_pixels=max_pixels, family=args.family))
-        settings = EngineSettings(block_size=args.block_size, chunk=args.chunk, step_tokens=args.step_tokens,
-                                  pool_videos=args.pool_videos)
         defaults = {"budget": args.budget}
         specs = [pruning.parse(text, defaults) for text in (args.policies or _default_policies())]
         if len({s.label for s in specs}) != len(specs):
             p.error("--policies names a cell twice (use --repeats to run cells again)")
+        if args.baseline is not None and args.baseline not in {s.label for s in specs}:
+            p.error(f"--baseline {args.baseline!r} is not one of the cells in --policies")
+        max_pixels = max(224 * 224, args.size * args.size)
+        model = build_tiny_model(TinyModelSpec(max_pixels=max_pixels, family=args.family))
+        settings = EngineSettings(block_size=args.block_size, chunk=args.chunk, step_tokens=args.step_tokens,
+                                  pool_videos=args.pool_videos)
         runs: dict[str, list] = {s.label: [] for s in specs}
         for index in range(args.repeats):
             for spec in round_order(specs, index):
@@ -116,17 +124,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats > 1:
         print(f"each cell's run of median wall time, of {args.repeats}:")
     print(format_table(rows))
-    ratio_rows = ratios(rows)
+    ratio_rows = ratios(rows, baseline)
     if ratio_rows:
-        print("\nagainst none (same requests, same run):" if args.repeats == 1 else
-              "\nagainst none (same requests, each cell's median run):")
+        print(f"\nagainst {baseline} (same requests, same run):" if args.repeats == 1 else
+              f"\nagainst {baseline} (same requests, each cell's median run):")
         print(format_table(ratio_rows, RATIO_COLUMNS))
-    paired = paired_speedups(rounds) if args.repeats > 1 else []
+    paired = paired_speedups(rounds, baseline) if args.repeats > 1 else []
     if paired:
-        print(f"\nagainst none, round by round ({args.repeats} rounds, speed-up = none's wall / the cell's):")
+        print(f"\nagainst {baseline}, round by round ({args.repeats} rounds, speed-up = {baseline}'s "
+              "wall / the cell's):")
         print(format_table(paired, PAIRED_COLUMNS))
     payload = {"machine": _machine(), "argv": sys.argv[1:], "workload": vars(workload) | {
-        "video_tokens": workload.video_tokens}, "results": [r.to_json() for r in results], "ratios": ratio_rows}
+        "video_tokens": workload.video_tokens}, "results": [r.to_json() for r in results],
+        "baseline": baseline, "ratios": ratio_rows}
     if args.repeats > 1:
         payload |= {"repeats": args.repeats, "rounds": rounds, "paired": paired}
     write_json(args.out / "results.json", payload)

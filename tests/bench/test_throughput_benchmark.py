@@ -19,7 +19,7 @@ def test_rounds_of_every_cell_with_speedups_paired_by_round(tmp_path: Path, caps
                         "--chunk", "64", "--policies", "none", "cords", "--repeats", "2", "--no-plots",
                         "--out", str(tmp_path)]) == 0
     payload = json.loads((tmp_path / "results.json").read_text())
-    assert payload["repeats"] == 2
+    assert payload["repeats"] == 2 and payload["baseline"] == "none"
     assert [[r["label"] for r in round_] for round_ in payload["rounds"]] == [["none", "cords"]] * 2
     cords = next(r for r in payload["rounds"][0] if r["label"] == "cords")
     assert cords["compressions"] > 0  # the policy really compressed on the engine
@@ -38,7 +38,9 @@ def test_repeats_are_checked_before_any_engine_starts(capsys) -> None:
     script = load_benchmark("throughput")
     for argv, message in ((["--repeats", "0"], "--repeats must be >= 1"),
                           (["--repeats", "2", "--mode", "http"], "--repeats runs the offline cells"),
-                          (["--policies", "none", "none"], "names a cell twice")):
+                          (["--policies", "none", "none"], "names a cell twice"),
+                          (["--policies", "none", "cords", "--baseline", "evs"], "'evs' is not one of the cells"),
+                          (["--mode", "http", "--baseline", "none"], "--baseline compares offline cells")):
         with pytest.raises(SystemExit):
             script.main(argv)
         assert message in capsys.readouterr().err
