@@ -16,6 +16,7 @@ percent from run to run, so a claim of a few percent needs the rounds.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
 import sys
@@ -71,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--baseline", default=None,
                    help="the cell the ratios compare with (default: none, when it runs), e.g. evs for evs+cords "
                         "against evs")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="vLLM's prefix caching off in every cell (a policy always turns it off; under none it "
+                        "lets a preempted request find its blocks again)")
     p.add_argument("--no-plots", action="store_true")
     args = p.parse_args(argv)
     if args.repeats < 1:
@@ -110,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         max_pixels = max(224 * 224, args.size * args.size)
         model = build_tiny_model(TinyModelSpec(max_pixels=max_pixels, family=args.family))
         settings = EngineSettings(block_size=args.block_size, chunk=args.chunk, step_tokens=args.step_tokens,
-                                  pool_videos=args.pool_videos)
+                                  pool_videos=args.pool_videos, prefix_caching=not args.no_prefix_caching)
         runs: dict[str, list] = {s.label: [] for s in specs}
         for index in range(args.repeats):
             for spec in round_order(specs, index):
@@ -137,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     payload = {"machine": _machine(), "argv": sys.argv[1:], "workload": vars(workload) | {
         "video_tokens": workload.video_tokens}, "results": [r.to_json() for r in results],
         "baseline": baseline, "ratios": ratio_rows}
+    if args.mode == "offline":
+        payload["engine"] = dataclasses.asdict(settings)
     if args.repeats > 1:
         payload |= {"repeats": args.repeats, "rounds": rounds, "paired": paired}
     write_json(args.out / "results.json", payload)

@@ -17,9 +17,10 @@ def test_rounds_of_every_cell_with_speedups_paired_by_round(tmp_path: Path, caps
     script = load_benchmark("throughput")
     assert script.main(["--requests", "2", "--frames", "16", "--size", "112", "--budget", "64",
                         "--chunk", "64", "--policies", "none", "cords", "--repeats", "2", "--no-plots",
-                        "--out", str(tmp_path)]) == 0
+                        "--no-prefix-caching", "--out", str(tmp_path)]) == 0
     payload = json.loads((tmp_path / "results.json").read_text())
     assert payload["repeats"] == 2 and payload["baseline"] == "none"
+    assert payload["engine"]["prefix_caching"] is False and payload["engine"]["block_size"] == 32
     assert [[r["label"] for r in round_] for round_ in payload["rounds"]] == [["none", "cords"]] * 2
     cords = next(r for r in payload["rounds"][0] if r["label"] == "cords")
     assert cords["compressions"] > 0  # the policy really compressed on the engine
