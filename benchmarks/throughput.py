@@ -26,7 +26,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from cords_vllm.lab.bench.repeats import PAIRED_COLUMNS, median_run, paired_speedups, round_order
+from cords_vllm.lab.bench.repeats import PAIRED_COLUMNS, median_run, paired_speedups, plot_paired, round_order
 from cords_vllm.lab.bench.report import RATIO_COLUMNS, format_table, plot_results, ratios, write_json
 from cords_vllm.lab.bench.workload import VideoWorkload
 
@@ -150,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_plots:
         for path in plot_results(results, args.out):
             print(f"wrote {path}")
+        if paired:
+            plot_paired(paired, baseline, args.out / "speedup_rounds.png")
+            print(f"wrote {args.out / 'speedup_rounds.png'}")
     return 0
 
 

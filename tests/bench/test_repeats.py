@@ -49,3 +49,11 @@ def test_the_representative_run_is_the_one_of_median_wall_time():
     assert median_run(["a"], [9.0]) == "a"
     with pytest.raises(ValueError):
         median_run(["a"], [1.0, 2.0])
+
+
+def test_the_rounds_plot_is_written(tmp_path):
+    from cords_vllm.lab.bench.repeats import plot_paired
+
+    rows = paired_speedups([_round(none=4.0, cords=3.8), _round(none=6.0, cords=5.7), _round(none=4.2, cords=4.4)])
+    plot_paired(rows, "none", tmp_path / "rounds.png")
+    assert (tmp_path / "rounds.png").stat().st_size > 10_000

@@ -66,3 +66,27 @@ def median_run(runs: Sequence[T], wall_s: Sequence[float]) -> T:
         raise ValueError(f"{len(runs)} runs with {len(wall_s)} wall times")
     ranked = sorted(range(len(runs)), key=lambda i: (wall_s[i], i))
     return runs[ranked[(len(runs) - 1) // 2]]
+
+
+def plot_paired(paired: Sequence[dict[str, Any]], baseline: str, path) -> None:
+    """A PNG of :func:`paired_speedups`'s rows: each round's speed-up as a dot, the median as a bar, one column
+    per cell, and the level line at 1.0 (the baseline)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.4 * len(paired) + 2.0), 4.5))
+    for x, row in enumerate(paired):
+        ax.hlines(row["median"], x - 0.3, x + 0.3, color="tab:blue", linewidth=2.5,
+                  label="median" if x == 0 else None)
+        ax.scatter([x] * len(row["speedups"]), row["speedups"], color="tab:orange", s=18, zorder=3,
+                   label="one round" if x == 0 else None)
+    ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
+    ax.set_xticks(range(len(paired)), [row["label"] for row in paired], rotation=30, ha="right")
+    ax.set_ylabel(f"speed-up over {baseline} (same round)")
+    ax.set_title(f"Speed-up over {baseline}, round by round ({len(paired[0]['speedups']) if paired else 0} rounds)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
