@@ -79,8 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error(f"--repeats must be >= 1, got {args.repeats}")
-    if args.baseline is not None and args.mode == "http":
-        p.error("--baseline compares offline cells; --mode http measures one server")
+    if args.mode == "http" and (args.baseline is not None or args.no_prefix_caching):
+        p.error("--baseline and --no-prefix-caching set up offline cells; --mode http measures the server as started")
     baseline = args.baseline or "none"
     if args.repeats > 1 and args.mode == "http":
         p.error("--repeats runs the offline cells; in --mode http, run the command once per server start")

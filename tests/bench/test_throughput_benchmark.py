@@ -41,7 +41,8 @@ def test_repeats_are_checked_before_any_engine_starts(capsys) -> None:
                           (["--repeats", "2", "--mode", "http"], "--repeats runs the offline cells"),
                           (["--policies", "none", "none"], "names a cell twice"),
                           (["--policies", "none", "cords", "--baseline", "evs"], "'evs' is not one of the cells"),
-                          (["--mode", "http", "--baseline", "none"], "--baseline compares offline cells")):
+                          (["--mode", "http", "--baseline", "none"], "set up offline cells"),
+                          (["--mode", "http", "--no-prefix-caching"], "set up offline cells")):
         with pytest.raises(SystemExit):
             script.main(argv)
         assert message in capsys.readouterr().err
