@@ -25,7 +25,9 @@ def _pool_kwargs(tiny_model) -> dict:
     # requests by one 256-token chunk each, so only KV blocks limit how many run at once.
     return {"kv_cache_memory_bytes": (2 * blocks_per_video + 1) * bytes_per_block, "max_model_len": 4096,
             "max_num_batched_tokens": 8 * 2048, "max_num_scheduled_tokens": 8 * 256,
-            "long_prefill_token_threshold": 256}
+            "long_prefill_token_threshold": 256,
+            # a policy turns prefix caching off; off under none too, so both engines differ only in the policy
+            "enable_prefix_caching": False}
 
 
 def _prompts() -> list[dict]:
