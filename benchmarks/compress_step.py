@@ -35,7 +35,7 @@ import statistics
 import sys
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -45,6 +45,7 @@ from cords_vllm.compress.kv_access import PagedAccessor, slots_of
 from cords_vllm.compress.step import RegionBatch, SelectionSetup, compress_region
 from cords_vllm.compress.unit_choice import AUTO, compression_unit
 from cords_vllm.kernel_backend import kernels_in_force, use_triton
+from cords_vllm.lab.bench.region_shape import RegionShape
 from cords_vllm.selection import get_selector
 
 #: The issue's targets on an H100-class GPU: wall ms per compression at the default shape.
@@ -55,31 +56,11 @@ TARGET_ANCHOR_RATIO = 1.5
 
 
 @dataclass(frozen=True)
-class Shape:
-    layers: int = 28
-    heads: int = 4
-    head_size: int = 128
-    block_size: int = 16
-    text: int = 64
-    frame_tokens: int = 256
-    frames: int = 30
-    keep_frames: int = 24
-
-    @property
-    def held(self) -> int:
-        return self.text + self.frames * self.frame_tokens
-
-    @property
-    def kept(self) -> int:
-        return self.text + self.keep_frames * self.frame_tokens
-
-
-@dataclass(frozen=True)
 class Case:
     name: str
     granularity: str
     anchors: tuple[int, ...]
-    shape: Shape
+    shape: RegionShape
 
 
 @dataclass
@@ -104,11 +85,13 @@ class Row:
 def cases(quick: bool) -> list[Case]:
     """The issue's shape (or a small one), per granularity, one anchor and three, and a small token region."""
     if quick:
-        big = Shape(layers=6, heads=2, head_size=16, block_size=8, text=8, frame_tokens=16, frames=8, keep_frames=5)
-        small = Shape(layers=6, heads=2, head_size=16, block_size=8, text=8, frame_tokens=16, frames=4, keep_frames=3)
+        big = RegionShape(layers=6, heads=2, head_size=16, block_size=8, text=8, frame_tokens=16, frames=8,
+                          keep_frames=5)
+        small = replace(big, frames=4, keep_frames=3)
         three = (0, 2, 4)
     else:
-        big, small = Shape(), Shape(frames=5, keep_frames=4)
+        big = RegionShape()
+        small = replace(big, frames=5, keep_frames=4)
         three = (0, 2, 4)
     return [Case("auto (the default), anchors [0]", AUTO, (0,), big),
             Case("frame, anchors [0]", "frame", (0,), big),
@@ -122,7 +105,7 @@ def anchor_of(anchors: tuple[int, ...], layers: int) -> tuple[int, ...]:
     return tuple(max(a for a in anchors if a <= layer) for layer in range(layers))
 
 
-def build(shape: Shape, granularity: str, device: torch.device, dtype: torch.dtype
+def build(shape: RegionShape, granularity: str, device: torch.device, dtype: torch.dtype
           ) -> tuple[list[torch.Tensor], RegionBatch]:
     """Caches of every layer (one allocation each, as vLLM makes them) and the region's first compression
     (``granularity`` ``"auto"``: the unit the worker would choose, :func:`compression_unit`)."""

@@ -37,24 +37,12 @@ import torch
 from cords_vllm.compress.kv_access import PagedAccessor, slots_of
 from cords_vllm.compress.step import RegionBatch, RegionCompression, SelectionSetup, compress_region, compress_regions
 from cords_vllm.compress.unit_choice import AUTO, compression_unit
+from cords_vllm.lab.bench.region_shape import RegionShape
 from cords_vllm.selection import get_selector
 from cords_vllm.threads import intra_op_threads
 
-
-@dataclass(frozen=True)
-class Shape:
-    """The cache (``layers`` x ``[blocks, heads, block_size, 2 * head_size]``) and one request's region: ``text``
-    protected tokens, then ``frames`` frames of ``frame_tokens``, of which ``keep_frames`` worth are kept."""
-
-    layers: int = 28
-    heads: int = 4
-    head_size: int = 128
-    block_size: int = 16
-    text: int = 64
-    frame_tokens: int = 64
-    frames: int = 12
-    keep_frames: int = 8
-
+#: A 7B model's cache (:class:`RegionShape`'s) and short regions: twelve 64-token frames, eight kept.
+SHAPE = RegionShape(frame_tokens=64, frames=12, keep_frames=8)
 
 @dataclass
 class Row:
@@ -66,7 +54,7 @@ class Row:
     same: bool
 
 
-def build(shape: Shape, requests: int, granularity: str = AUTO, device: str = "cpu", seed: int = 0
+def build(shape: RegionShape, requests: int, granularity: str = AUTO, device: str = "cpu", seed: int = 0
           ) -> tuple[list[torch.Tensor], list[RegionBatch]]:
     """Caches and one first compression per request; request ``r`` holds ``r % 3`` frames more than the first."""
     g = torch.Generator().manual_seed(seed)
@@ -97,7 +85,7 @@ def build(shape: Shape, requests: int, granularity: str = AUTO, device: str = "c
     return caches, batches
 
 
-def measure(shape: Shape, requests: int, repeats: int, kernels: str = "torch", granularity: str = AUTO,
+def measure(shape: RegionShape, requests: int, repeats: int, kernels: str = "torch", granularity: str = AUTO,
             device: str = "cpu") -> Row:
     caches, batches = build(shape, requests, granularity, device)
     pristine = [c.clone() for c in caches]
@@ -149,8 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="a small shape (a smoke run)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/step_together"))
     args = p.parse_args(argv)
-    shape = Shape(layers=4, heads=2, head_size=16, block_size=8, text=8, frame_tokens=16, frames=6,
-                  keep_frames=3) if args.quick else Shape()
+    shape = RegionShape(layers=4, heads=2, head_size=16, block_size=8, text=8, frame_tokens=16, frames=6,
+                  keep_frames=3) if args.quick else SHAPE
     kernels = args.kernels or (["triton", "torch"] if args.device.startswith("cuda") else ["torch"])
     rows = []
     with intra_op_threads(args.threads), torch.inference_mode():
