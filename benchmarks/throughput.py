@@ -72,15 +72,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--baseline", default=None,
                    help="the cell the ratios compare with (default: none, when it runs), e.g. evs for evs+cords "
                         "against evs")
-    p.add_argument("--no-prefix-caching", action="store_true",
-                   help="vLLM's prefix caching off in every cell (a policy always turns it off; under none it "
-                        "lets a preempted request find its blocks again)")
+    caching = p.add_mutually_exclusive_group()
+    caching.add_argument("--prefix-caching", dest="prefix_caching", action="store_const", const=True, default=None,
+                         help="vLLM's prefix caching asked for in every cell (a policy keeps it for the requests it "
+                              "never compresses); default: the engine's choice, on under none, off under a policy")
+    caching.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_const", const=False,
+                         help="vLLM's prefix caching off in every cell")
     p.add_argument("--no-plots", action="store_true")
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error(f"--repeats must be >= 1, got {args.repeats}")
-    if args.mode == "http" and (args.baseline is not None or args.no_prefix_caching):
-        p.error("--baseline and --no-prefix-caching set up offline cells; --mode http measures the server as started")
+    if args.mode == "http" and (args.baseline is not None or args.prefix_caching is not None):
+        p.error("--baseline and --[no-]prefix-caching set up offline cells; --mode http measures the server as "
+                "started")
     baseline = args.baseline or "none"
     if args.repeats > 1 and args.mode == "http":
         p.error("--repeats runs the offline cells; in --mode http, run the command once per server start")
@@ -114,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         max_pixels = max(224 * 224, args.size * args.size)
         model = build_tiny_model(TinyModelSpec(max_pixels=max_pixels, family=args.family))
         settings = EngineSettings(block_size=args.block_size, chunk=args.chunk, step_tokens=args.step_tokens,
-                                  pool_videos=args.pool_videos, prefix_caching=not args.no_prefix_caching)
+                                  pool_videos=args.pool_videos, prefix_caching=args.prefix_caching)
         runs: dict[str, list] = {s.label: [] for s in specs}
         for index in range(args.repeats):
             for spec in round_order(specs, index):

@@ -81,6 +81,9 @@ def make_schedule(original: Callable) -> Callable:
         if comp is not None:
             comp.failed.update(failures.drain())  # compressions a worker of this process could not carry out
             comp.before_schedule(self)
+            if comp.caching:  # before vLLM looks waiting requests up in the prefix cache
+                for request in [*self.waiting, *self.kv_holding_waiting]:
+                    comp.before_admission(request)
             for req_id, reason in comp.failed.items():  # the policy failed on these: each ends alone
                 if (request := self.requests.get(req_id)) is not None:
                     hooks.ender.end(self, request, reason)
@@ -103,6 +106,8 @@ def make_allocate_slots(original: Callable) -> Callable:
         saved = manager.max_admission_blocks_per_request
         manager.max_admission_blocks_per_request = comp.admission_cap(request)
         kwargs["reserved_blocks"] = kwargs.get("reserved_blocks", 0) + comp.growth_reserve(request)
+        if comp.caching and comp.bypasses_prefix_cache(request):
+            kwargs["delay_cache_blocks"] = True  # vLLM's own switch: allocate without filling the prefix cache
         try:
             return original(self, request, *args, **kwargs)
         finally:

@@ -81,8 +81,11 @@ class SchedulerCompressor:
         self.whole_managers = [managers[i] for i in whole_group_indices([m.kv_cache_spec for m in managers])]
         self.requests = scheduler.requests
         self.pool = kvm.block_pool
-        if self.pool.enable_caching:
-            raise RuntimeError("--kv-policy needs prefix caching off (the plugin turns it off at start-up)")
+        #: Prefix caching on (an explicit ``--enable-prefix-caching``): the requests the policy may compress bypass it.
+        self.caching = bool(self.pool.enable_caching)
+        if self.caching:
+            logger.info("cords-vllm: prefix caching on for the requests the policy never compresses (text, videos "
+                        "within budget + slack); the others neither read nor fill the cache")
         self.block_size = self.manager.block_size
         self.facts = model_facts_of(scheduler.vllm_config)
         self.text_limit = config.text_limit(scheduler.vllm_config.model_config.max_model_len)
@@ -138,6 +141,24 @@ class SchedulerCompressor:
         logger.debug("cords-vllm: plan %s at token %d: region %d blocks, %d blocks freed, %d candidates kept",
                      request.request_id, request.num_computed_tokens, plan.region_blocks, len(freed),
                      plan.num_keep_candidates)
+
+    def bypasses_prefix_cache(self, request: Any) -> bool:
+        """Whether ``request`` must neither read nor fill the prefix cache: the policy may compress it, which
+        rewrites its blocks in place (a live stream, or a prompt with more than ``budget + slack`` video tokens,
+        where a fresh request's first compression point lies, :func:`~cords_vllm.compress.plan.next_compression_point`).
+        Decided once per request."""
+        tracker = self.tracker(request)
+        if tracker.bypasses_cache is None:
+            settings = tracker.settings(request, self.config)
+            video = tracker.candidates(request, self.facts, self.config).total
+            tracker.bypasses_cache = bool(getattr(request, "resumable", False)) or (
+                video > settings.budget + settings.slack)
+        return tracker.bypasses_cache
+
+    def before_admission(self, request: Any) -> None:
+        """A waiting request, before vLLM looks it up in the prefix cache: one the policy may compress does not."""
+        if self.caching and self.bypasses_prefix_cache(request):
+            request.skip_reading_prefix_cache = True
 
     def invalid_reason(self, request: Any) -> str | None:
         """Why the policy cannot serve a waiting request (new, or a session whose next turn arrived): more

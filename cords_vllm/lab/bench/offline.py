@@ -107,9 +107,10 @@ def kv_bytes_per_block(model_dir: str | Path, block_size: int, dtype_bytes: int)
 class EngineSettings:
     """Engine sizing for a workload: block size, per-request chunk, per-step token budget, pool size.
 
-    ``prefix_caching``: ``False`` turns vLLM's prefix caching off in every cell; by default it stays vLLM's choice
-    (on under ``none``; a policy always turns it off, since it rewrites blocks in place). With it on, a request
-    preempted under ``none`` finds its blocks again when it recomputes.
+    ``prefix_caching``: ``None`` leaves vLLM's prefix caching to the engine (on under ``none``; off under a policy,
+    which rewrites blocks in place); ``False`` turns it off in every cell; ``True`` asks for it in every cell (a
+    policy keeps it for the requests it never compresses). With it on, a request preempted under ``none`` finds its
+    blocks again when it recomputes.
     """
 
     block_size: int = 32
@@ -117,7 +118,7 @@ class EngineSettings:
     step_tokens: int = 4096
     pool_videos: float = 2.0
     dtype: str = "float32"
-    prefix_caching: bool = True
+    prefix_caching: bool | None = None
 
     def engine_kwargs(self, model_dir: str | Path, workload: VideoWorkload, prompt_tokens: int) -> dict[str, Any]:
         per_video = cdiv(prompt_tokens + workload.max_tokens, self.block_size)
@@ -125,7 +126,7 @@ class EngineSettings:
         # vLLM's start-up check needs one max_model_len request to fit in the pool
         blocks = max(int(self.pool_videos * per_video), per_video) + 1
         return {
-            **({} if self.prefix_caching else {"enable_prefix_caching": False}),
+            **({} if self.prefix_caching is None else {"enable_prefix_caching": self.prefix_caching}),
             "dtype": self.dtype, "block_size": self.block_size,
             "kv_cache_memory_bytes": blocks * kv_bytes_per_block(model_dir, self.block_size, dtype_bytes(self.dtype)),
             "max_model_len": max_len,
