@@ -74,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
                         "against evs")
     caching = p.add_mutually_exclusive_group()
     caching.add_argument("--prefix-caching", dest="prefix_caching", action="store_const", const=True, default=None,
-                         help="vLLM's prefix caching asked for in every cell (a policy keeps it for the requests it "
-                              "never compresses); default: the engine's choice, on under none, off under a policy")
+                         help="vLLM's prefix caching asked for in every cell (default: the engine's choice, on; a "
+                              "policy keeps the requests it may compress out of it)")
     caching.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_const", const=False,
                          help="vLLM's prefix caching off in every cell")
     p.add_argument("--no-plots", action="store_true")

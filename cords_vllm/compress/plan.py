@@ -12,8 +12,8 @@ Model of a request's KV row (one full-attention KV cache group):
   ``k`` of the blocks the region held: the kept tokens are compacted into them in logical order, and the
   other blocks return to the pool. No fresh block is allocated, so compression never needs free blocks and
   cannot fail under pool pressure (the prototype's "allocate fresh, then free" needed free blocks exactly
-  when the pool was full). This is safe because the policy runs with prefix caching off: no block of a
-  compressed request is shared or hashed.
+  when the pool was full). This is safe because no block of a request the policy may compress is shared or
+  hashed: such a request neither reads nor fills vLLM's prefix cache.
 * Attention sees a *physical view* of the row, null entries moved to the end and ``seq_len`` reduced by
   ``bs`` per null entry (:mod:`cords_vllm.compress.attention_view`). That is why kept tokens must fill whole
   blocks: the number of candidate (video) tokens kept is rounded DOWN, so that protected + kept tokens in the region

@@ -26,7 +26,8 @@ def _pool_kwargs(tiny_model) -> dict:
     return {"kv_cache_memory_bytes": (2 * blocks_per_video + 1) * bytes_per_block, "max_model_len": 4096,
             "max_num_batched_tokens": 8 * 2048, "max_num_scheduled_tokens": 8 * 256,
             "long_prefill_token_threshold": 256,
-            # a policy turns prefix caching off; off under none too, so both engines differ only in the policy
+            # off in both engines: under none a preempted request would find its blocks again, which the
+            # policy's requests over budget never do; the engines then differ only in the policy
             "enable_prefix_caching": False}
 
 

@@ -1,6 +1,6 @@
-"""Prefix caching under a policy, asked for explicitly (``--enable-prefix-caching``): the requests the policy never
-compresses use vLLM's cache as under ``none``; the ones it may compress neither read nor fill it, and keep the
-tokens they keep with the cache off."""
+"""Prefix caching under a policy (vLLM's default, on): the requests the policy never compresses use vLLM's cache as
+under ``none``; the ones it may compress neither read nor fill it, and keep the tokens they keep with the cache
+off."""
 
 from __future__ import annotations
 
@@ -94,14 +94,14 @@ def test_requests_the_policy_compresses_bypass_the_cache_and_keep_their_tokens(t
     assert cache_hits == []  # the second identical request did not look it up
 
 
-def test_the_plugin_keeps_an_explicit_enable_prefix_caching_and_turns_the_default_off(tiny_model):
+def test_the_policy_leaves_prefix_caching_as_configured(tiny_model):
     from vllm.engine.arg_utils import EngineArgs
 
     from cords_vllm.config import KVPolicyConfig
     from cords_vllm.integration.startup.engine_args import adjust_engine_args
 
     policy = KVPolicyConfig.parse("cords", None)
-    default, explicit = EngineArgs(model=tiny_model), EngineArgs(model=tiny_model, enable_prefix_caching=True)
-    assert [c.split(" (")[0] for c in adjust_engine_args(default, policy)] == ["prefix caching off"]
-    assert default.enable_prefix_caching is False
-    assert adjust_engine_args(explicit, policy) == [] and explicit.enable_prefix_caching is True
+    for asked in (None, True, False):
+        args = EngineArgs(model=tiny_model, enable_prefix_caching=asked)
+        adjust_engine_args(args, policy)
+        assert args.enable_prefix_caching is asked

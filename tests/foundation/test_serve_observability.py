@@ -56,7 +56,7 @@ def test_two_api_servers_log_at_debug_and_report_the_same_counters(tiny_model):
     assert len(startup) == 1, startup
     assert " INFO " in startup[0]
     for setting in ('"budget": 256', '"recent": 64', '"slack": 64', '"granularity": "auto"', '"min_units": 32',
-                    '"anchors": [0]', '"alpha": 0.25', "prefix caching off"):
+                    '"anchors": [0]', '"alpha": 0.25', "prefix caching only for the requests the policy never"):
         assert setting in startup[0], (setting, startup[0])
     assert re.search(r"\(EngineCore.* DEBUG .*cords-vllm: plan chatcmpl-", log)
     assert re.search(r"Worker.* DEBUG .*cords-vllm: compressed chatcmpl-", log)

@@ -105,7 +105,7 @@ def test_valid_policy_logs_one_startup_line_and_no_warning(tiny_model):
     line = infos[0]
     for needle in ("--kv-policy cords", '"budget": 256', '"recent": 64', '"slack": 64', '"granularity": "auto"',
                    '"per_head": false', '"anchors": [0, 2]', '"alpha": 0.1', '"eta": 0.25', '"lam": 0.25',
-                   "prefix caching off"):
+                   "prefix caching only for the requests the policy never compresses"):
         assert needle in line, (needle, line)
     assert warnings == []  # one step may take a whole prompt: chunks end at compression points anyway
 

@@ -81,11 +81,8 @@ class SchedulerCompressor:
         self.whole_managers = [managers[i] for i in whole_group_indices([m.kv_cache_spec for m in managers])]
         self.requests = scheduler.requests
         self.pool = kvm.block_pool
-        #: Prefix caching on (an explicit ``--enable-prefix-caching``): the requests the policy may compress bypass it.
+        #: Prefix caching on (vLLM's default): the requests the policy may compress bypass it.
         self.caching = bool(self.pool.enable_caching)
-        if self.caching:
-            logger.info("cords-vllm: prefix caching on for the requests the policy never compresses (text, videos "
-                        "within budget + slack); the others neither read nor fill the cache")
         self.block_size = self.manager.block_size
         self.facts = model_facts_of(scheduler.vllm_config)
         self.text_limit = config.text_limit(scheduler.vllm_config.model_config.max_model_len)
@@ -131,6 +128,9 @@ class SchedulerCompressor:
                                 tracker.settings(request, self.config), self.block_size)
         if plan is None:
             return
+        if self.caching and not self.bypasses_prefix_cache(request):  # guard: bypasses_prefix_cache says never
+            raise RuntimeError("the policy would rewrite blocks the prefix cache may share (a request it was "
+                               "expected never to compress)")
         freed = plan.held_entries(row)[plan.num_keep // plan.block_size:]
         plan.compact_row(row, self.pool.null_block)
         self.pool.free_blocks(reversed(freed))

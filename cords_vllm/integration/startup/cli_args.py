@@ -163,6 +163,10 @@ def checked_engine_config(engine_args: Any, create: Callable[..., Any], *args: A
             changes.append(change)
         if policy.layer_selective(facts.num_layers):
             changes.append(describe_layer_scope(policy.compressed_layers, facts.num_layers))
+        if getattr(vllm_config.cache_config, "enable_prefix_caching", False):
+            changes.append("prefix caching only for the requests the policy never compresses (text, videos within "
+                           "budget + slack; the others neither read nor fill it: their blocks are rewritten in "
+                           "place)")
         logger.info("%s", startup_line(policy, changes))
     return vllm_config
 

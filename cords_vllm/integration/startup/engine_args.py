@@ -3,10 +3,9 @@
 None is applied with ``--kv-policy none``. :func:`adjust_engine_args` returns what it changed, so that the
 start-up line (:mod:`cords_vllm.integration.startup.cli_args`) names every change next to the policy's settings.
 
-* Prefix caching off by default: compression rewrites a request's blocks in place, so a block must never be
-  shared with, or served from the prefix cache to, another request. An explicit ``--enable-prefix-caching`` is
-  kept: the requests the policy may compress then bypass the cache (they neither read nor fill it), and the
-  others (text, videos within ``budget + slack``) use it as under ``none``
+* Prefix caching is left as configured: compression rewrites a request's blocks in place, so the requests the
+  policy may compress bypass the cache (they neither read nor fill it), and the others (text, videos within
+  ``budget + slack``) use it as under ``none``
   (:meth:`~cords_vllm.integration.engine_core.scheduler.SchedulerCompressor.bypasses_prefix_cache`).
 * Speculative decoding refused: drafting builds attention metadata on a path the compacted view does not
   cover.
@@ -26,7 +25,7 @@ from cords_vllm.config import KVPolicyConfig, KVPolicyConfigError
 def adjust_engine_args(engine_args: Any, policy: KVPolicyConfig) -> list[str]:
     """Mutate ``engine_args`` (a vLLM ``EngineArgs``) for an enabled policy; returns the changes made.
 
-    Each change is a short phrase with its reason, e.g. ``"prefix caching off (...)"``; the list is empty
+    Each change is a short phrase with its reason, e.g. ``"V1 model runner (...)"``; the list is empty
     when nothing had to change (or the policy is ``none``).
     """
     if not policy.enabled:
@@ -34,10 +33,6 @@ def adjust_engine_args(engine_args: Any, policy: KVPolicyConfig) -> list[str]:
     if getattr(engine_args, "speculative_config", None):
         raise KVPolicyConfigError(f"--kv-policy {policy.policy} does not support speculative decoding")
     changes = []
-    if engine_args.enable_prefix_caching is None:  # vLLM's default; an explicit choice is kept (module docstring)
-        engine_args.enable_prefix_caching = False
-        changes.append("prefix caching off (compressed blocks are rewritten in place and must not be shared; "
-                       "--enable-prefix-caching keeps it for the requests the policy never compresses)")
     from vllm.platforms import current_platform
 
     if current_platform.is_cuda_alike():

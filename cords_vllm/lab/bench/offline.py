@@ -107,9 +107,9 @@ def kv_bytes_per_block(model_dir: str | Path, block_size: int, dtype_bytes: int)
 class EngineSettings:
     """Engine sizing for a workload: block size, per-request chunk, per-step token budget, pool size.
 
-    ``prefix_caching``: ``None`` leaves vLLM's prefix caching to the engine (on under ``none``; off under a policy,
-    which rewrites blocks in place); ``False`` turns it off in every cell; ``True`` asks for it in every cell (a
-    policy keeps it for the requests it never compresses). With it on, a request preempted under ``none`` finds its
+    ``prefix_caching``: ``None`` leaves vLLM's prefix caching to the engine (on by default; a policy keeps the
+    requests it may compress out of it, since it rewrites their blocks in place); ``False`` turns it off in every
+    cell, ``True`` asks for it in every cell. With it on, a preempted request that is not compressed finds its
     blocks again when it recomputes.
     """
 
