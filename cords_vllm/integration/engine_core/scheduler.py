@@ -14,6 +14,11 @@ candidates, the reservation is capped at its compressed footprint
 (:func:`~cords_vllm.compress.plan.compressed_footprint_blocks`), so prompts whose full length would not
 fit are admitted when their compressed form does.
 
+Prefix caching (as configured; vLLM's default is on): a request the policy may compress has its blocks rewritten in
+place, so it neither reads the cache (vLLM's per-request ``skip_reading_prefix_cache``, set before vLLM looks it up)
+nor fills it (``delay_cache_blocks`` in its allocations); text and videos within ``budget + slack`` use it as under
+``none`` (:meth:`SchedulerCompressor.bypasses_prefix_cache`).
+
 Layer-selective compression (``compressed_layers``): the plans compress the compressed layers' KV cache group only;
 the groups kept whole grow with the request as under ``none``, so admission also keeps free what the admitted
 requests' whole rows still take to their prompt's end, and live streams are refused (their whole rows would grow
