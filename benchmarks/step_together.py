@@ -44,6 +44,7 @@ from cords_vllm.threads import intra_op_threads
 #: A 7B model's cache (:class:`RegionShape`'s) and short regions: twelve 64-token frames, eight kept.
 SHAPE = RegionShape(frame_tokens=64, frames=12, keep_frames=8)
 
+
 @dataclass
 class Row:
     kernels: str
@@ -138,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/step_together"))
     args = p.parse_args(argv)
     shape = RegionShape(layers=4, heads=2, head_size=16, block_size=8, text=8, frame_tokens=16, frames=6,
-                  keep_frames=3) if args.quick else SHAPE
+                        keep_frames=3) if args.quick else SHAPE
     kernels = args.kernels or (["triton", "torch"] if args.device.startswith("cuda") else ["torch"])
     rows = []
     with intra_op_threads(args.threads), torch.inference_mode():

@@ -22,7 +22,7 @@ SYSTEM = "<|im_start|>system\n" + "You answer questions about videos, briefly an
 
 @pytest.fixture
 def cache_hits(monkeypatch) -> list[tuple[str, int]]:
-    """``(prompt's first token ids, tokens found)`` of every prefix-cache lookup that found tokens."""
+    """``(request id, tokens found)`` of every prefix-cache lookup that found tokens."""
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
     hits: list[tuple[str, int]] = []

@@ -106,7 +106,7 @@ def make_allocate_slots(original: Callable) -> Callable:
         saved = manager.max_admission_blocks_per_request
         manager.max_admission_blocks_per_request = comp.admission_cap(request)
         kwargs["reserved_blocks"] = kwargs.get("reserved_blocks", 0) + comp.growth_reserve(request)
-        if comp.caching and comp.bypasses_prefix_cache(request):
+        if comp.caching and comp.may_compress(request):
             kwargs["delay_cache_blocks"] = True  # vLLM's own switch: allocate without filling the prefix cache
         try:
             return original(self, request, *args, **kwargs)

@@ -17,7 +17,7 @@ fit are admitted when their compressed form does.
 Prefix caching (as configured; vLLM's default is on): a request the policy may compress has its blocks rewritten in
 place, so it neither reads the cache (vLLM's per-request ``skip_reading_prefix_cache``, set before vLLM looks it up)
 nor fills it (``delay_cache_blocks`` in its allocations); text and videos within ``budget + slack`` use it as under
-``none`` (:meth:`SchedulerCompressor.bypasses_prefix_cache`).
+``none`` (:meth:`SchedulerCompressor.may_compress`).
 
 Layer-selective compression (``compressed_layers``): the plans compress the compressed layers' KV cache group only;
 the groups kept whole grow with the request as under ``none``, so admission also keeps free what the admitted
@@ -133,7 +133,7 @@ class SchedulerCompressor:
                                 tracker.settings(request, self.config), self.block_size)
         if plan is None:
             return
-        if self.caching and not self.bypasses_prefix_cache(request):  # guard: bypasses_prefix_cache says never
+        if self.caching and not self.may_compress(request):  # guard: may_compress says it never happens
             raise RuntimeError("the policy would rewrite blocks the prefix cache may share (a request it was "
                                "expected never to compress)")
         freed = plan.held_entries(row)[plan.num_keep // plan.block_size:]
@@ -147,22 +147,23 @@ class SchedulerCompressor:
                      request.request_id, request.num_computed_tokens, plan.region_blocks, len(freed),
                      plan.num_keep_candidates)
 
-    def bypasses_prefix_cache(self, request: Any) -> bool:
-        """Whether ``request`` must neither read nor fill the prefix cache: the policy may compress it, which
-        rewrites its blocks in place (a live stream, or a prompt with more than ``budget + slack`` video tokens,
-        where a fresh request's first compression point lies, :func:`~cords_vllm.compress.plan.next_compression_point`).
-        Decided once per request."""
+    def may_compress(self, request: Any) -> bool:
+        """Whether the policy may compress ``request``: a live stream, or a prompt with more than ``budget + slack``
+        video tokens (where a fresh request's first compression point lies,
+        :func:`~cords_vllm.compress.plan.next_compression_point`). Such a request has its blocks rewritten in place,
+        so it neither reads nor fills the prefix cache, and its growth is reserved at admission; the others are left
+        to vLLM as under ``none``. Decided once per request."""
         tracker = self.tracker(request)
-        if tracker.bypasses_cache is None:
+        if tracker.may_compress is None:
             settings = tracker.settings(request, self.config)
             video = tracker.candidates(request, self.facts, self.config).total
-            tracker.bypasses_cache = bool(getattr(request, "resumable", False)) or (
+            tracker.may_compress = bool(getattr(request, "resumable", False)) or (
                 video > settings.budget + settings.slack)
-        return tracker.bypasses_cache
+        return tracker.may_compress
 
     def before_admission(self, request: Any) -> None:
         """A waiting request, before vLLM looks it up in the prefix cache: one the policy may compress does not."""
-        if self.caching and self.bypasses_prefix_cache(request):
+        if self.caching and self.may_compress(request):
             request.skip_reading_prefix_cache = True
 
     def invalid_reason(self, request: Any) -> str | None:
@@ -286,8 +287,8 @@ class SchedulerCompressor:
         running requests will still grow; compressed requests grow to a known footprint, so a new request is
         admitted only if it fits next to that growth, which avoids predictable preemptions.
 
-        Only requests the policy bounds count: one whose video never passes the budget (its footprint is its
-        whole prompt, e.g. after vLLM's video pruning) grows as under ``none``, so it is left to vLLM's own
+        Only requests the policy may compress count (:meth:`may_compress`): one whose video never passes
+        ``budget + slack`` (e.g. after vLLM's video pruning) grows as under ``none``, so it is left to vLLM's own
         rule, admit and preempt if needed, and the policy costs nothing where it never compresses. A live
         stream always counts: once re-based it cannot be preempted, so its turn's growth stays reserved.
         """
@@ -297,10 +298,9 @@ class SchedulerCompressor:
         for req_id, row in self.manager.req_to_blocks.items():
             tracker = self.trackers.get(req_id)
             admitted = self.requests.get(req_id)
-            if tracker is None or admitted is None or (footprint := tracker.known_footprint) is None:
+            if tracker is None or admitted is None or (footprint := tracker.known_footprint) is None \
+                    or not self.may_compress(admitted):  # the last: left to vLLM's rule
                 continue
-            if footprint >= cdiv(admitted.num_tokens, self.block_size) and not getattr(admitted, "resumable", False):
-                continue  # not bounded by the policy: vLLM's rule (a live stream keeps its reserve)
             reserve += max(0, footprint - non_null_blocks(row, tracker.state))
             if self.whole_managers:  # the whole layers' rows grow to the whole prompt
                 prompt = cdiv(admitted.num_prompt_tokens, self.block_size)

@@ -92,8 +92,8 @@ class RequestTracker:
     _spans: tuple[tuple[int, int], CandidateSpans] = ((-1, -1), _NO_SPANS)
     _settings: tuple[Any, BudgetSettings | KVPolicyConfigError] | None = None
     _footprint: tuple[tuple[int, int], int] | None = None
-    #: Whether the request bypasses the prefix cache (``None``: not decided yet; see ``bypasses_prefix_cache``).
-    bypasses_cache: bool | None = None
+    #: Whether the policy may compress the request (``None``: not decided yet; ``SchedulerCompressor.may_compress``).
+    may_compress: bool | None = None
 
     def reset(self) -> None:
         """Forget the compression state (a preempted request recomputes from scratch)."""

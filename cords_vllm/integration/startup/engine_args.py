@@ -6,7 +6,7 @@ start-up line (:mod:`cords_vllm.integration.startup.cli_args`) names every chang
 * Prefix caching is left as configured: compression rewrites a request's blocks in place, so the requests the
   policy may compress bypass the cache (they neither read nor fill it), and the others (text, videos within
   ``budget + slack``) use it as under ``none``
-  (:meth:`~cords_vllm.integration.engine_core.scheduler.SchedulerCompressor.bypasses_prefix_cache`).
+  (:meth:`~cords_vllm.integration.engine_core.scheduler.SchedulerCompressor.may_compress`).
 * Speculative decoding refused: drafting builds attention metadata on a path the compacted view does not
   cover.
 * CUDA: the V1 model runner (the plugin patches it; Model Runner V2 is not supported yet), and piecewise
