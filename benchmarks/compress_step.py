@@ -61,6 +61,7 @@ class Case:
     granularity: str
     anchors: tuple[int, ...]
     shape: RegionShape
+    params: tuple[tuple[str, object], ...] = ()  # cords's settings, beside its defaults
 
 
 @dataclass
@@ -82,8 +83,13 @@ class Row:
     notes: list[str] = field(default_factory=list)
 
 
+#: The ablation's novelty (``cords`` with ``novelty="exact"``): its rows are reported, not held to the targets.
+EXACT = (("novelty", "exact"),)
+
+
 def cases(quick: bool) -> list[Case]:
-    """The issue's shape (or a small one), per granularity, one anchor and three, and a small token region."""
+    """The issue's shape (or a small one), per granularity, one anchor and three, a small token region, and the
+    exact novelty at frame units and on the small token region."""
     if quick:
         big = RegionShape(layers=6, heads=2, head_size=16, block_size=8, text=8, frame_tokens=16, frames=8,
                           keep_frames=5)
@@ -98,7 +104,9 @@ def cases(quick: bool) -> list[Case]:
             Case(f"frame, anchors {list(three)}", "frame", three, big),
             Case("block, anchors [0]", "block", (0,), big),
             Case("token, anchors [0]", "token", (0,), big),
-            Case(f"token, {small.held} -> {small.kept} tokens", "token", (0,), small)]
+            Case(f"token, {small.held} -> {small.kept} tokens", "token", (0,), small),
+            Case("frame (exact novelty), anchors [0]", "frame", (0,), big, EXACT),
+            Case(f"token (exact novelty), {small.held} -> {small.kept} tokens", "token", (0,), small, EXACT)]
 
 
 def anchor_of(anchors: tuple[int, ...], layers: int) -> tuple[int, ...]:
@@ -179,8 +187,8 @@ def measure(case: Case, kernels: str, device: torch.device, dtype: torch.dtype, 
     shape = case.shape
     caches, batch = build(shape, case.granularity, device, dtype)
     pristine = [c.clone() for c in caches]
-    setup = SelectionSetup(get_selector("cords"), case.granularity, False, anchor_of(case.anchors, shape.layers),
-                           kernels=kernels)
+    setup = SelectionSetup(get_selector("cords", **dict(case.params)), case.granularity, False,
+                           anchor_of(case.anchors, shape.layers), kernels=kernels)
     accessors = [PagedAccessor.of(caches[0], shape.head_size)] * shape.layers
 
     def restore() -> None:

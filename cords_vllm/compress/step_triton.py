@@ -2,8 +2,8 @@
 
 The kernel path beside its reference, :func:`~cords_vllm.compress.step.compress_region`'s PyTorch path (which stays
 the CPU path and the reference this one is tested against), for the greedy D^2 family the greedy kernel runs
-(:meth:`~cords_vllm.selection.base.Selector.greedy_params`: ``cords`` with its max-cosine novelty in the paper's
-space, ``k_only``, ``v_only``). Where the PyTorch path runs a hundred-odd small ops per compression (region tokens,
+(:meth:`~cords_vllm.selection.base.Selector.greedy_params`: ``cords`` with either novelty in the paper's space,
+``k_only``, ``v_only``). Where the PyTorch path runs a hundred-odd small ops per compression (region tokens,
 candidate ranks, frame ids, frame budget, centroids, the exact-count trim, the sort of kept positions, the held
 tokens' gathers), this one runs seven launches whatever the granularity, layer count or anchor count (eight with an
 fp8 cache, whose anchors' scales are gathered in one more):
@@ -39,8 +39,8 @@ Held tokens: the region's tokens after a compression are returned per layer as v
 per field (``H' = 1`` for joint selection, expanded over the heads), so the next compression reads every anchor's
 without a stack. Tokens held in another form (the PyTorch path's) are stacked first (a few launches, once).
 
-Not covered (the PyTorch path runs them, with the launches it counts): other policies, the normalized space and the
-exact novelty, joint selection under tensor parallelism (its head gather), caches other than the paged views of
+Not covered (the PyTorch path runs them, with the launches it counts): other policies, the normalized space, joint
+selection under tensor parallelism (its head gather), caches other than the paged views of
 vLLM's GPU backends, and problems past the greedy kernel's limits. fp8 caches (e4m3, e5m2) are covered: the units
 kernel decodes their bytes with the layers' scales, as :class:`~cords_vllm.compress.kv_codec.Fp8Codec` does.
 """
@@ -367,8 +367,8 @@ def not_covered(selector, accessors: Sequence[KVAccessor], caches: Sequence[torc
     start-up line and :func:`covers`; see the module docstring's "Not covered"."""
     anchors = sorted(set(anchor_of))
     if selector.greedy_params() is None:
-        return (f"{selector.name} with these settings is not the greedy D^2 run the kernels take (cords with the "
-                "max-cosine novelty in the paper's space, k_only, v_only)")
+        return (f"{selector.name} with these settings is not the greedy D^2 run the kernels take (cords in the "
+                "paper's space, k_only, v_only)")
     if gathers_heads:
         return "joint selection under tensor parallelism gathers every rank's heads"
     if not all(isinstance(a, PagedAccessor) for a in accessors):

@@ -73,13 +73,14 @@ OPS_PER_GREEDY_STEP: dict[str, int] = {"max_cosine": 30, "d2": 22}
 @dataclass(frozen=True)
 class GreedyParams:
     """The greedy D^2 run's constants, for a policy the kernels run as it is (see
-    :meth:`~cords_vllm.selection.base.Selector.greedy_params`): the max-cosine novelty (or none, ``lam = 0``) in the
-    space of the raw keys and values."""
+    :meth:`~cords_vllm.selection.base.Selector.greedy_params`): either novelty of :data:`NOVELTY_VARIANTS` (or none,
+    ``lam = 0``) in the space of the raw keys and values."""
 
     alpha: float
     eta: float
     lam: float
     eps0: float
+    novelty: str = "max_cosine"
 
 
 def snap_tolerance(dtype: torch.dtype) -> float:
@@ -672,9 +673,9 @@ class CoRDSSelector(Selector):
     batches_problems: ClassVar[bool] = True
 
     def greedy_params(self) -> GreedyParams | None:
-        if self.space != "paper" or (self.lam > 0.0 and self.novelty != "max_cosine"):
+        if self.space != "paper":
             return None
-        return GreedyParams(self.alpha, self.eta, self.lam, self.eps0)
+        return GreedyParams(self.alpha, self.eta, self.lam, self.eps0, self.novelty)
 
     def _order_units(self, units: UnitBatch) -> torch.Tensor:
         feats = units.feats if self.space == "paper" else normalized_features(units.feats, units.key_dim,

@@ -1,9 +1,9 @@
 """CoRDS's greedy run as one Triton kernel: every greedy step of every problem in a single launch.
 
 The kernel beside its reference, :func:`~cords_vllm.selection.cords.cords_greedy` (the PyTorch path, which stays
-the CPU path and the reference this one is tested against). It covers the variants the engine runs by default:
-the max-cosine novelty and the plain D^2 step (``lam = 0``: k_only, v_only, CoRDS without a bonus); the exact
-novelty, an ablation, stays on the PyTorch path.
+the CPU path and the reference this one is tested against). It covers every variant of the run: the max-cosine
+novelty (the default), the exact novelty (an ablation) and the plain D^2 step (``lam = 0``: k_only, v_only, CoRDS
+without a bonus).
 
 Design (one GEMM, then a persistent greedy loop over rows):
 
@@ -16,6 +16,13 @@ Design (one GEMM, then a persistent greedy loop over rows):
    traffic of a step), folds the new point into the state, min-max normalises over the pool and picks the next
    unit with the reference's tie rule (the lowest index within ``tol`` of the best score). All ``k_max`` steps
    run inside the program: no launch, no host read between steps.
+3. The exact novelty (:func:`_exact_residual`) keeps the squared residuals ``||(I - P_S) x_i||^2`` on chip instead
+   of the running cosines, and the orthonormal directions of the selected set in a global buffer (at most ``Dc``
+   per component, ``[P, 2, Dc, Dc]``). A step whose new unit still has a residual orthogonalises its features
+   against the directions so far (``O(n Dc)``) and projects every unit on the new direction (one pass over the
+   units' features, ``O(M Dc)``, the reference's matvec); a step whose new unit has none (every step once the
+   directions span the space, after at most ``Dc`` of them) costs what a D^2 step costs. No host read: the
+   reference reads its saturation flag back once per step until it saturates.
 
 The arithmetic is the reference's, term for term (:mod:`cords_vllm.selection.cords`'s "Numerics"): the same
 snapping of distances to 0 and of cosines to 1, the same normalisation and the same tie slack. Dot products come
@@ -34,6 +41,7 @@ import contextlib
 import functools
 import logging
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -54,12 +62,62 @@ except ImportError:  # the kernels are only built when kernel_backend says Trito
     triton = tl = None
 
 
+def _exact_residual(res, thr, n_dirs, j, offs, inside, feats_ptr, f_row, f_unit, comp_off, comp_dim, basis_ptr,
+                    b_base, b_rows, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_D: tl.constexpr):
+    """One component's (keys' or values') exact novelty after unit ``j`` joins the selected set: the squared
+    residuals ``res`` (``[BLOCK]``, snapped to 0 below ``thr``) lose their projection on ``j``'s new direction.
+
+    As the reference's :func:`~cords_vllm.selection.cords._new_direction` and residual update, op for op: ``j`` adds a
+    direction only while its own residual is positive; the direction is ``x_j`` orthogonalised against the
+    ``n_dirs`` directions so far (classical Gram-Schmidt, twice) and normalised; every unit's residual loses the
+    square of its projection on it, is clamped at 0 and snapped to 0 at ``thr``. The directions are rows of
+    ``basis[b_base:]`` (``comp_dim`` wide, at most ``b_rows`` of them: a span of ``comp_dim`` dimensions holds no
+    more). The reference keeps a zero row where no direction is added; here none is kept, which changes no sum but
+    their order. Returns ``(res, n_dirs)``."""
+    res_j = tl.sum(tl.where(offs == j, res, 0.0), 0)
+    if (res_j > 0.0) & (n_dirs < b_rows):
+        d = tl.arange(0, BLOCK_D)
+        in_d = d < comp_dim
+        u = tl.load(feats_ptr + f_row + j.to(tl.int64) * f_unit + comp_off + d, mask=in_d, other=0.0)
+        for _ in tl.static_range(2):  # classical Gram-Schmidt with one re-orthogonalisation pass
+            delta = tl.zeros([BLOCK_D], dtype=tl.float32)
+            for s0 in range(0, n_dirs, BLOCK_S):
+                s = s0 + tl.arange(0, BLOCK_S)
+                q = tl.load(basis_ptr + b_base + s[:, None] * comp_dim + d[None, :],
+                            mask=(s < n_dirs)[:, None] & in_d[None, :], other=0.0)
+                coef = tl.sum(q * u[None, :], 1)
+                delta += tl.sum(coef[:, None] * q, 0)
+            u = u - delta
+        norm = tl.sqrt(tl.sum(u * u, 0))
+        if norm > 0.0:
+            at = b_base + n_dirs.to(tl.int64) * comp_dim
+            tl.store(basis_ptr + at + d, u / norm, mask=in_d)
+            tl.debug_barrier()  # the direction is read back in chunks below
+            proj = tl.zeros([offs.shape[0]], dtype=tl.float32)
+            for d0 in range(0, comp_dim, CHUNK_D):
+                dd = d0 + tl.arange(0, CHUNK_D)
+                in_dd = dd < comp_dim
+                q = tl.load(basis_ptr + at + dd, mask=in_dd, other=0.0)
+                x = tl.load(feats_ptr + f_row + offs[:, None].to(tl.int64) * f_unit + comp_off + dd[None, :],
+                            mask=inside[:, None] & in_dd[None, :], other=0.0)
+                proj += tl.sum(x * q[None, :], 1)
+            res = tl.maximum(res - proj * proj, 0.0)
+            res = tl.where(res <= thr, 0.0, res)
+            n_dirs += 1
+    return res, n_dirs
+
+
 def _greedy_kernel(gk_ptr, gv_ptr, kn_ptr, vn_ptr, seed_ptr, valid_ptr, k_ptr, out_ptr,
-                   m_units, k_max, gram_stride,
+                   feats_ptr, basis_ptr, m_units, k_max, gram_stride, f_problem, f_unit, comp_dim, value_off, b_rows,
                    alpha, one_minus_alpha, neg2a, neg2b, eta, one_minus_eta, lam, eps0, tol, neg_snap,
                    USE_KD: tl.constexpr, USE_VD: tl.constexpr, USE_KO: tl.constexpr, USE_VO: tl.constexpr,
-                   BLOCK: tl.constexpr):
-    """One problem's whole greedy run (program ``p``); writes ``out[p, :k_max]`` (``-1`` after ``k[p]``)."""
+                   EXACT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+                   CHUNK_D: tl.constexpr):
+    """One problem's whole greedy run (program ``p``); writes ``out[p, :k_max]`` (``-1`` after ``k[p]``).
+
+    ``EXACT``: the novelty is the exact residual (:func:`_exact_residual`, reading the units' features
+    ``feats[p]``, ``f_unit`` apart, keys at 0 and values at ``value_off``, each ``comp_dim`` wide; the directions in
+    ``basis[p]``, ``[2, b_rows, comp_dim]``), else the max-cosine surrogate (from the Gram rows)."""
     p = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     inside = offs < m_units
@@ -85,6 +143,16 @@ def _greedy_kernel(gk_ptr, gv_ptr, kn_ptr, vn_ptr, seed_ptr, valid_ptr, k_ptr, o
     run_k = tl.where(valid, 2.0, float("-inf"))
     run_v = tl.where(valid, 2.0, float("-inf"))
     pool = valid
+    if EXACT:  # squared residuals start as the squared norms (0 only for zero vectors), as the reference's
+        thr_k = tol * (kn * kn)
+        thr_v = tol * (vn * vn)
+        res_k = tl.where(kn * kn <= thr_k, 0.0, kn * kn)
+        res_v = tl.where(vn * vn <= thr_v, 0.0, vn * vn)
+        dirs_k = tl.zeros([], dtype=tl.int32)
+        dirs_v = tl.zeros([], dtype=tl.int32)
+        f_row = p * f_problem
+        b_key = p * (2 * b_rows * comp_dim)
+        b_value = b_key + b_rows * comp_dim
     for t in range(0, k_max):
         tl.store(out_ptr + p * k_max + t, tl.where(t < k_p, j, -1).to(tl.int64))
         j = tl.minimum(j, m_units - 1)  # a problem past its k[p] may have no pool left: stay in bounds
@@ -99,9 +167,9 @@ def _greedy_kernel(gk_ptr, gv_ptr, kn_ptr, vn_ptr, seed_ptr, valid_ptr, k_ptr, o
         row = p * gram_stride + j.to(tl.int64) * m_units
         bsum = base + base_j
         dist = bsum
-        if USE_KD or USE_KO:
+        if USE_KD or (USE_KO and not EXACT):
             gk = tl.load(gk_ptr + row + offs, mask=inside, other=0.0)
-        if USE_VD or USE_VO:
+        if USE_VD or (USE_VO and not EXACT):
             gv = tl.load(gv_ptr + row + offs, mask=inside, other=0.0)
         if USE_KD:
             dist = dist + neg2a * gk
@@ -112,16 +180,27 @@ def _greedy_kernel(gk_ptr, gv_ptr, kn_ptr, vn_ptr, seed_ptr, valid_ptr, k_ptr, o
 
         if USE_KO or USE_VO:
             orth = tl.zeros([BLOCK], dtype=tl.float32)
-            if USE_KO:
-                inv_kn_j = tl.where(kn_j > 0.0, 1.0 / tl.where(kn_j > 0.0, kn_j, 1.0), 0.0)
-                ncos = (gk * inv_kn_j) * -inv_kn
-                run_k = tl.minimum(run_k, tl.where(ncos > neg_snap, ncos, -1.0) + 1.0)
-                orth = run_k * eta
-            if USE_VO:
-                inv_vn_j = tl.where(vn_j > 0.0, 1.0 / tl.where(vn_j > 0.0, vn_j, 1.0), 0.0)
-                ncos = (gv * inv_vn_j) * -inv_vn
-                run_v = tl.minimum(run_v, tl.where(ncos > neg_snap, ncos, -1.0) + 1.0)
-                orth = orth + run_v * one_minus_eta  # + 0 is exact: the key term alone when the keys have none
+            if EXACT:
+                if USE_KO:
+                    res_k, dirs_k = _exact_residual(res_k, thr_k, dirs_k, j, offs, inside, feats_ptr, f_row, f_unit,
+                                                    0, comp_dim, basis_ptr, b_key, b_rows, BLOCK_D, BLOCK_S, CHUNK_D)
+                    orth = res_k * eta
+                if USE_VO:
+                    res_v, dirs_v = _exact_residual(res_v, thr_v, dirs_v, j, offs, inside, feats_ptr, f_row, f_unit,
+                                                    value_off, comp_dim, basis_ptr, b_value, b_rows, BLOCK_D, BLOCK_S,
+                                                    CHUNK_D)
+                    orth = orth + res_v * one_minus_eta
+            else:
+                if USE_KO:
+                    inv_kn_j = tl.where(kn_j > 0.0, 1.0 / tl.where(kn_j > 0.0, kn_j, 1.0), 0.0)
+                    ncos = (gk * inv_kn_j) * -inv_kn
+                    run_k = tl.minimum(run_k, tl.where(ncos > neg_snap, ncos, -1.0) + 1.0)
+                    orth = run_k * eta
+                if USE_VO:
+                    inv_vn_j = tl.where(vn_j > 0.0, 1.0 / tl.where(vn_j > 0.0, vn_j, 1.0), 0.0)
+                    ncos = (gv * inv_vn_j) * -inv_vn
+                    run_v = tl.minimum(run_v, tl.where(ncos > neg_snap, ncos, -1.0) + 1.0)
+                    orth = orth + run_v * one_minus_eta  # + 0 is exact: the key term alone when the keys have none
             # The pool's range of both rows in one reduction: max of x and of -x, for the distance and the novelty.
             ranges = tl.max(tl.join(tl.join(tl.where(pool, min_dist, float("-inf")),
                                             tl.where(pool, -min_dist, float("-inf"))),
@@ -145,6 +224,10 @@ def _greedy_kernel(gk_ptr, gv_ptr, kn_ptr, vn_ptr, seed_ptr, valid_ptr, k_ptr, o
 def _compiled(interpret: bool):
     """The kernel, jitted on first use (under the interpreter when ``TRITON_INTERPRET=1`` at that time)."""
     return triton.jit(_greedy_kernel)
+
+
+if triton is not None:  # the kernel's helper: jitted (compiled or interpreted alike) when Triton imports
+    _exact_residual = triton.jit(_exact_residual)
 
 
 @contextlib.contextmanager
@@ -175,59 +258,110 @@ def cords_greedy_triton(feats: torch.Tensor, key_dim: int, valid: torch.Tensor, 
 
     ``feats``: ``[P, M, Dk + Dv]`` in the compute dtype (float32; other dtypes return ``None``); ``valid``:
     ``bool [P, M]``; ``k``: ``long [P]``. Returns ``long [P, k_max]``, or ``None`` when the problem is not one
-    the kernel takes (the exact novelty, float64, more than :data:`MAX_UNITS` units or Gram matrices past
-    :data:`GRAM_LIMIT_BYTES`): the caller then runs the PyTorch path.
+    the kernel takes (float64, more than :data:`MAX_UNITS` units or Gram matrices past :data:`GRAM_LIMIT_BYTES`):
+    the caller then runs the PyTorch path. Raises the reference's ``ValueError`` where the exact novelty reads keys
+    and values of different widths.
     """
-    p_count, m_units, _ = feats.shape
-    use_orth = lam > 0.0
-    if use_orth and novelty != "max_cosine":
-        _say_once("the exact novelty (an ablation) has no kernel")
-        return None
+    p_count, m_units, f_dim = feats.shape
+    params = GreedyParams(alpha, eta, lam, eps0, novelty)
+    terms = _Terms.of(params)
+    if terms.exact and terms.use_ko and terms.use_vo and 2 * key_dim != f_dim:
+        raise ValueError("feats: exact novelty on keys and values needs Dk == Dv")
     if feats.dtype != torch.float32:
         _say_once(f"features in {feats.dtype} (the kernel computes in float32)")
         return None
-    use_kd, use_vd = alpha > 0.0, alpha < 1.0
-    use_ko, use_vo = use_orth and eta > 0.0, use_orth and eta < 1.0
-    need_k, need_v = use_kd or use_ko, use_vd or use_vo
-    grams = need_k + need_v
-    if m_units > MAX_UNITS or p_count * m_units * m_units * 4 * grams > GRAM_LIMIT_BYTES:
+    if m_units > MAX_UNITS or p_count * m_units * m_units * 4 * (terms.gram_k + terms.gram_v) > GRAM_LIMIT_BYTES:
         _say_once(f"{p_count} problem(s) of {m_units} units exceed the kernel's limits ({MAX_UNITS} units, "
                   f"{GRAM_LIMIT_BYTES >> 30} GiB of Gram matrices)")
         return None
     keys, values = feats[..., :key_dim], feats[..., key_dim:]
-    kn = torch.linalg.vector_norm(keys, dim=-1) if need_k else feats.new_zeros((p_count, m_units))
-    vn = torch.linalg.vector_norm(values, dim=-1) if need_v else kn
+    kn = torch.linalg.vector_norm(keys, dim=-1) if terms.need_k else feats.new_zeros((p_count, m_units))
+    vn = torch.linalg.vector_norm(values, dim=-1) if terms.need_v else kn
     # The reference's seed score (cords._seed): ||k + v||, or the norm of the one space the distance reads.
-    seed = torch.linalg.vector_norm(keys + values, dim=-1) if use_kd and use_vd else None
-    return greedy_from_units(feats, key_dim, kn, vn, seed, valid, k, k_max, GreedyParams(alpha, eta, lam, eps0))
+    seed = torch.linalg.vector_norm(keys + values, dim=-1) if terms.use_kd and terms.use_vd else None
+    return greedy_from_units(feats, key_dim, kn, vn, seed, valid, k, k_max, params)
+
+
+@dataclass(frozen=True)
+class _Terms:
+    """Which terms of the score a run computes (those that cannot change it are left out, as the reference does):
+    the distance's key and value terms, the novelty's, and which Gram matrices they read."""
+
+    use_kd: bool
+    use_vd: bool
+    use_ko: bool
+    use_vo: bool
+    exact: bool
+
+    @classmethod
+    def of(cls, params: GreedyParams) -> _Terms:
+        use_orth = params.lam > 0.0
+        return cls(params.alpha > 0.0, params.alpha < 1.0, use_orth and params.eta > 0.0,
+                   use_orth and params.eta < 1.0, use_orth and params.novelty == "exact")
+
+    @property
+    def need_k(self) -> bool:
+        """Whether the score reads the keys (their norms)."""
+        return self.use_kd or self.use_ko
+
+    @property
+    def need_v(self) -> bool:
+        """Whether the score reads the values (their norms)."""
+        return self.use_vd or self.use_vo
+
+    @property
+    def gram_k(self) -> bool:
+        """Whether the run reads ``K K^T``: the distance's key term, or the max-cosine novelty of the keys."""
+        return self.use_kd or (self.use_ko and not self.exact)
+
+    @property
+    def gram_v(self) -> bool:
+        """Whether the run reads ``V V^T``."""
+        return self.use_vd or (self.use_vo and not self.exact)
 
 
 def greedy_from_units(feats: torch.Tensor, key_dim: int, kn: torch.Tensor, vn: torch.Tensor,
                       seed: torch.Tensor | None, valid: torch.Tensor, k: torch.Tensor, k_max: int,
                       params: GreedyParams) -> torch.Tensor:
-    """The Gram matrices and the greedy kernel, on units whose norms are known: ``feats`` ``float32 [P, M, 2 * Dk]``;
-    ``kn`` / ``vn`` / ``seed``: ``float32 [P, M]`` norms of the keys, of the values and of their sum (``seed`` is read
-    only where the distance reads both spaces: ``None`` is allowed elsewhere); ``valid``: ``bool`` or ``int8 [P, M]``;
-    ``k``: ``long [P]``. Returns ``long [P, k_max]``. Three launches (two without the bonus at an endpoint)."""
-    p_count, m_units, _ = feats.shape
+    """The Gram matrices and the greedy kernel, on units whose norms are known: ``feats`` ``float32 [P, M, Dk + Dv]``
+    (``Dk == Dv`` where the exact novelty reads both); ``kn`` / ``vn`` / ``seed``: ``float32 [P, M]`` norms of the
+    keys, of the values and of their sum (``seed`` is read only where the distance reads both spaces: ``None`` is
+    allowed elsewhere); ``valid``: ``bool`` or ``int8 [P, M]``; ``k``: ``long [P]``. Returns ``long [P, k_max]``.
+    Three launches, whatever the novelty (two where the run reads one space only)."""
+    p_count, m_units, f_dim = feats.shape
     alpha, eta, lam, eps0 = params.alpha, params.eta, params.lam, params.eps0
-    use_orth = lam > 0.0
-    use_kd, use_vd = alpha > 0.0, alpha < 1.0
-    use_ko, use_vo = use_orth and eta > 0.0, use_orth and eta < 1.0
-    need_k, need_v = use_kd or use_ko, use_vd or use_vo
+    terms = _Terms.of(params)
     keys, values = feats[..., :key_dim], feats[..., key_dim:]
-    empty = feats.new_empty((1,)) if not (need_k and need_v) else None  # never read: the kernel skips its terms
+    empty = feats.new_empty((1,))  # never read: the kernel skips its terms
     with _ieee_fp32():
-        gk = torch.bmm(keys, keys.transpose(1, 2)) if need_k else empty
-        gv = torch.bmm(values, values.transpose(1, 2)) if need_v else empty
-    seed = seed if use_kd and use_vd else (kn if use_kd else vn)
+        gk = torch.bmm(keys, keys.transpose(1, 2)) if terms.gram_k else empty
+        gv = torch.bmm(values, values.transpose(1, 2)) if terms.gram_v else empty
+    seed = seed if terms.use_kd and terms.use_vd else (kn if terms.use_kd else vn)
     out = torch.empty((p_count, k_max), dtype=torch.long, device=feats.device)
     tol = snap_tolerance(feats.dtype)
-    block = max(16, triton.next_power_of_2(m_units))
+    # The exact novelty's directions: [P, 2, b_rows, Dc], at most Dc of them per component (they are orthonormal).
+    comp_dim = key_dim if terms.use_ko or not terms.use_vo else f_dim - key_dim
+    b_rows = min(k_max, comp_dim)
+    if terms.exact:
+        feats = feats if feats.stride(-1) == 1 else feats.contiguous()
+        basis = torch.empty((p_count, 2, b_rows, comp_dim), dtype=torch.float32, device=feats.device)
+    else:
+        basis = empty
     _compiled(interpreting())[(p_count,)](
         gk, gv, kn.contiguous(), vn.contiguous(), seed.contiguous(), valid.contiguous(), k, out,
-        m_units, k_max, m_units * m_units,
+        feats, basis, m_units, k_max, m_units * m_units, feats.stride(0), feats.stride(1), comp_dim, key_dim, b_rows,
         alpha, 1.0 - alpha, -2.0 * alpha, -2.0 * (1.0 - alpha), eta, 1.0 - eta, lam, eps0, tol, -(1.0 - tol),
-        USE_KD=use_kd, USE_VD=use_vd, USE_KO=use_ko, USE_VO=use_vo, BLOCK=block, num_warps=_warps(block),
+        USE_KD=terms.use_kd, USE_VD=terms.use_vd, USE_KO=terms.use_ko, USE_VO=terms.use_vo, EXACT=terms.exact,
+        **tiles(m_units, comp_dim),
         enable_fp_fusion=False)  # no fused multiply-adds: the reference's roundings, op for op
     return out
+
+
+def tiles(m_units: int, comp_dim: int) -> dict[str, int]:
+    """The greedy kernel's widths for ``m_units`` units of ``comp_dim`` channels per component: ``BLOCK`` (the units,
+    a power of two), ``BLOCK_D`` (a component), the exact novelty's tiles (``BLOCK_S`` directions, ``CHUNK_D``
+    channels of every unit: about 4,096 elements each) and the warps."""
+    block = max(16, triton.next_power_of_2(m_units))
+    block_d = max(16, triton.next_power_of_2(comp_dim))
+    return {"BLOCK": block, "BLOCK_D": block_d, "BLOCK_S": max(1, min(64, 4096 // block_d)),
+            "CHUNK_D": max(1, min(block_d, 4096 // block)), "num_warps": _warps(block)}

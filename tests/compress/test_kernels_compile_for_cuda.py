@@ -26,8 +26,8 @@ pytest.importorskip("triton.backends.nvidia")
 
 def _recorded(monkeypatch) -> list[Launch]:
     """Launches covering every specialisation: the fused step's three modes, joint and per head, with and without the
-    non-finite scan, floating and both fp8 caches; the greedy kernel and the copy of the path the fused step hands
-    back (a policy setting it does not cover)."""
+    non-finite scan, floating and both fp8 caches, either novelty; the greedy kernel and the copy of the path the
+    fused step hands back (a policy setting it does not cover)."""
     recorder = LaunchRecorder()
     recorder.watch(monkeypatch, step_triton, cords_triton, copy_triton)
     runs = [("token", False, (0, 0), "bfloat16"), ("block", True, None, "bfloat16"), ("frame", False, None, "fp8_e5m2"),
@@ -35,6 +35,8 @@ def _recorded(monkeypatch) -> list[Launch]:
     for granularity, per_head, nan_at, kv_dtype in runs:
         step_tests._compress_twice("triton", 3, "cords", granularity, per_head, (0, 0, 2), 0.25, nan_at, kv_dtype)
     step_tests._compress_twice("triton", 3, "k_only", "token", False, (0, 0, 0), 0.25)
+    step_tests._compress_twice("triton", 3, "cords_exact", "token", False, (0, 0, 0), 0.25)
+    step_tests._compress_twice("triton", 3, "cords_exact_values", "frame", True, (0, 0, 0), 0.25)
     step_tests.POLICIES["custom"] = {"space": "normalized"}  # not covered: the greedy kernel and the copy
     try:
         for kv_dtype in ("bfloat16", "fp8_e4m3"):
@@ -46,7 +48,8 @@ def _recorded(monkeypatch) -> list[Launch]:
 
 def _at_7b_widths(launches: list[Launch]) -> list[Launch]:
     """The row-wide programs again at a 7B model's region (7,744 tokens: 8,192 lanes, their warps) and head width
-    (4 heads x 128: 512 lanes), which the interpreted runs' small shapes do not reach."""
+    (4 heads x 128: 512 lanes), and the greedy kernel at its token units, which the interpreted runs' small shapes do
+    not reach."""
     wide = []
     for launch in launches:
         if launch.name in ("step_triton:plan", "step_triton:finish"):
@@ -54,6 +57,11 @@ def _at_7b_widths(launches: list[Launch]) -> list[Launch]:
                                             options={**launch.options, "num_warps": step_triton._row_warps(8192)}))
         elif launch.name == "step_triton:units":
             wide.append(dataclasses.replace(launch, arguments={**launch.arguments, "BLOCK_F": 512}))
+        elif launch.name == "cords_triton":  # token units of a 7B region, 512-wide components (joint selection)
+            widths = cords_triton.tiles(7680, 512)
+            warps = widths.pop("num_warps")
+            wide.append(dataclasses.replace(launch, arguments={**launch.arguments, **widths},
+                                            options={**launch.options, "num_warps": warps}))
     return wide
 
 

@@ -38,6 +38,8 @@ POLICIES = {
     "cords_d2": {"lam": 0.0},
     "cords_keys": {"alpha": 1.0, "eta": 1.0},
     "cords_values": {"alpha": 0.0, "eta": 0.0},
+    "cords_exact": {"novelty": "exact"},
+    "cords_exact_values": {"novelty": "exact", "alpha": 0.1, "eta": 0.0, "lam": 0.5},
     "k_only": None,
     "v_only": None,
 }
@@ -253,14 +255,16 @@ def test_fp8_caches_are_decoded_with_their_scales(monkeypatch, kv_dtype, granula
 
 
 def test_the_fused_path_runs_and_hands_back_what_it_does_not_cover(monkeypatch):
-    """The default policy runs the fused step; the exact novelty and the normalized space run the PyTorch path (the
-    fused step is never entered), and keep the same tokens under either choice."""
+    """The default policy and the exact novelty run the fused step; the normalized space runs the PyTorch path (the
+    fused step is never entered), and keeps the same tokens under either choice."""
     calls = []
     fused = step_triton.compress_region_fused_steps
     monkeypatch.setattr(step_triton, "compress_region_fused_steps", lambda *a, **k: calls.append(1) or fused(*a, **k))
-    _compress_twice("triton", 1, "cords", "token", False, (0, 0, 0), 0.25)
-    assert calls
-    for params in ({"novelty": "exact"}, {"space": "normalized"}):
+    for policy in ("cords", "cords_exact"):
+        calls.clear()
+        _compress_twice("triton", 1, policy, "token", False, (0, 0, 0), 0.25)
+        assert calls
+    for params in ({"space": "normalized"}, {"space": "normalized", "novelty": "exact"}):
         calls.clear()
         POLICIES["custom"] = params
         try:
@@ -340,7 +344,8 @@ def test_the_fp8_decoders_are_exact_for_every_byte():
 @pytest.mark.parametrize(("policy", "params", "anchor_of", "expected"), [
     ("cords", {}, (0, 0, 2), "fused step: yes"),
     ("k_only", {}, (0, 0, 0), "fused step: yes"),
-    ("cords", {"novelty": "exact"}, (0, 0, 0), "fused step: no, the greedy kernel and the copy (cords with these"),
+    ("cords", {"novelty": "exact"}, (0, 0, 0), "fused step: yes"),
+    ("cords", {"space": "normalized"}, (0, 0, 0), "fused step: no, the greedy kernel and the copy (cords with these"),
     ("random", {}, (0, 0, 0), "fused step: no, the greedy kernel and the copy (random with these"),
     ("cords", {}, (0, 0, 1), "(an anchor layer follows another anchor)"),
 ])

@@ -3,8 +3,8 @@
 Where no GPU is, on CPU under Triton's interpreter (``TRITON_INTERPRET=1``, set by ``tests/conftest.py``) at small
 sizes: the same kernel source that runs on CUDA, executed element by element. With a GPU, compiled, on CUDA tensors,
 against the PyTorch path on the same device. Every selector the kernel covers (CoRDS at its defaults and at the
-corners of its parameters, k_only, v_only), every granularity, joint and per head, with and without protected tokens,
-and with exact ties (duplicated tokens), where only the shared tie rule decides.
+corners of its parameters, with either novelty, k_only, v_only), every granularity, joint and per head, with and
+without protected tokens, and with exact ties (duplicated tokens), where only the shared tie rule decides.
 """
 
 from __future__ import annotations
@@ -29,6 +29,10 @@ COVERED = [
     ("cords", {"alpha": 0.0, "eta": 1.0, "lam": 1.0}),
     ("cords", {"alpha": 0.6, "eta": 1.0}),
     ("cords", {"alpha": 0.1, "eta": 0.0}),
+    ("cords", {"novelty": "exact"}),
+    ("cords", {"novelty": "exact", "alpha": 0.8, "eta": 1.0, "lam": 0.5}),
+    ("cords", {"novelty": "exact", "alpha": 0.0, "eta": 0.0, "lam": 1.0}),
+    ("cords", {"novelty": "exact", "space": "normalized"}),
     ("k_only", {}),
     ("v_only", {}),
 ]
@@ -78,7 +82,7 @@ def test_kernel_keeps_the_reference_units(policy, params, granularity, group, pe
     assert torch.equal(kernel.keep, reference.keep)
 
 
-@pytest.mark.parametrize(("policy", "params"), COVERED[:3] + COVERED[-2:])
+@pytest.mark.parametrize(("policy", "params"), COVERED[:3] + COVERED[7:9] + COVERED[-2:])
 def test_exact_ties_follow_the_shared_tie_rule(policy, params, launches):
     """Duplicated tokens (as a bf16 cache makes them) tie exactly: the lowest index wins in both paths."""
     keys, values = random_kv(5, 1, 2, 48, 8, torch.float32)
@@ -92,17 +96,18 @@ def test_exact_ties_follow_the_shared_tie_rule(policy, params, launches):
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                  HealthCheck.function_scoped_fixture])
 @given(case=cases(max_n=20, max_d=4, dtype=torch.float32))
-def test_kernel_equals_reference_on_random_problems(case: Case, launches):
-    reference, kernel = _both("cords", {}, case.keys, case.values, case.budget, **case.kwargs())
+@pytest.mark.parametrize("novelty", ["max_cosine", "exact"])
+def test_kernel_equals_reference_on_random_problems(novelty: str, case: Case, launches):
+    reference, kernel = _both("cords", {"novelty": novelty}, case.keys, case.values, case.budget, **case.kwargs())
     assert torch.equal(kernel.order, reference.order)
     assert torch.equal(kernel.keep, reference.keep)
 
 
 def test_what_the_kernel_does_not_take_runs_the_reference(launches):
-    """The exact novelty (an ablation) and float64 features have no kernel: the PyTorch path runs them."""
+    """float64 features have no kernel: the PyTorch path runs them."""
     keys, values = random_kv(1, 1, 2, 40, 8, torch.float64)
-    for params, k, v in (({"novelty": "exact"}, keys.float(), values.float()), ({}, keys, values)):
-        reference, kernel = _both("cords", params, k, v, 12)
+    for params in ({}, {"novelty": "exact"}):
+        reference, kernel = _both("cords", params, keys, values, 12)
         assert torch.equal(kernel.order, reference.order)
     assert launches == []
 
@@ -116,3 +121,20 @@ def test_a_broken_kernel_is_caught(monkeypatch, launches):
     reference, kernel = _both("cords", {}, keys, values, 30)
     assert launches
     assert not torch.equal(kernel.order, reference.order)
+
+
+@pytest.mark.parametrize(("rank", "noise"), [(3, 0.0), (20, 1e-3)])
+def test_the_exact_novelty_saturates_as_the_reference_does(rank, noise, launches):
+    """Keys of rank below their width (plus a little noise): the residuals vanish after ``rank`` directions, or
+    shrink towards the snap threshold, over the 60 steps of a run that goes past the width (32) of the space; both
+    paths keep the same units. (Noise that puts residuals within rounding of the threshold itself, ``tol |x|^2``,
+    can tip a snap either way, as any two summation orders can.)"""
+    g = torch.Generator().manual_seed(rank)
+    directions = torch.randn(2, 1, rank, 32, generator=g)
+    keys = (torch.randn(2, 1, 150, rank, generator=g) @ directions).view(2, 150, 2, 16).permute(0, 2, 1, 3)
+    keys = keys + noise * torch.randn(keys.shape, generator=g)
+    values = torch.randn(2, 2, 150, 16, generator=g)
+    for params in ({"novelty": "exact"}, {"novelty": "exact", "lam": 1.0, "eta": 1.0}):
+        reference, kernel = _both("cords", params, keys.contiguous(), values, 60)
+        assert torch.equal(kernel.order, reference.order)
+    assert launches
