@@ -53,7 +53,7 @@ from cords_vllm.selection.granularity import units_to_mask
 from cords_vllm.selection.observation import Observation, observed_attention
 from cords_vllm.selection.params import ParamSpec, check_params, hyperparameter, param_specs_of
 from cords_vllm.selection.result import SelectionResult, kept_candidate_count
-from cords_vllm.selection.together import SelectionSteps, UnitsToOrder, run_alone
+from cords_vllm.selection.together import SelectionSteps, UnitsToOrder, driven_alone
 from cords_vllm.selection.validation import check_group_index, check_select_inputs
 
 if TYPE_CHECKING:
@@ -135,7 +135,7 @@ class Selector(abc.ABC):
 
     # -- the main call -----------------------------------------------------------------------------
 
-    def select(
+    def select_steps(
         self,
         keys: torch.Tensor,
         values: torch.Tensor,
@@ -149,8 +149,11 @@ class Selector(abc.ABC):
         generator: torch.Generator | None = None,
         counts: HostCounts | None = None,
         observation: Observation | None = None,
-    ) -> SelectionResult:
-        """Choose which tokens of each problem to keep.
+    ) -> SelectionSteps[SelectionResult]:
+        """Choose which tokens of each problem to keep, as a generator: yields the units it needs ordered
+        (:class:`UnitsToOrder`, when this policy :attr:`batches_problems`) and receives their order, so that a caller
+        may order several selections together (:func:`~cords_vllm.selection.together.run_together`); :meth:`select`
+        runs it alone.
 
         Parameters
         ----------
@@ -204,30 +207,6 @@ class Selector(abc.ABC):
             ``keep`` holds ``protected + kept candidates`` per problem, exactly as stated in the
             module docstring.
         """
-        return run_alone(self.select_steps(
-            keys, values, budget, candidates=candidates, granularity=granularity, group_size=group_size,
-            group_index=group_index, per_head=per_head, generator=generator, counts=counts,
-            observation=observation))
-
-    def select_steps(
-        self,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        budget: int,
-        *,
-        candidates: torch.Tensor | None = None,
-        granularity: Granularity = "token",
-        group_size: int | None = None,
-        group_index: torch.Tensor | None = None,
-        per_head: bool = False,
-        generator: torch.Generator | None = None,
-        counts: HostCounts | None = None,
-        observation: Observation | None = None,
-    ) -> SelectionSteps[SelectionResult]:
-        """:meth:`select` as a generator that yields the units it needs ordered (:class:`UnitsToOrder`, when this
-        policy :attr:`batches_problems`) and receives their order, so that a caller may order several selections
-        together (:func:`~cords_vllm.selection.together.run_together`). Same arguments and result.
-        """
         budget = check_select_inputs(keys, values, budget, candidates, granularity, group_size, per_head,
                                      generator, check_finite=counts is None)
         if group_index is not None:
@@ -254,6 +233,9 @@ class Selector(abc.ABC):
         chosen = self._check_order(order, units, on_device=counts is not None)
         return SelectionResult(keep=layout.keep(chosen), order=layout.order(order), granularity=granularity,
                                group_size=group_size, per_head=per_head)
+
+    select = driven_alone(select_steps, "select", """Choose which tokens of each problem to keep: :meth:`select_steps`
+        driven to its result alone (same arguments and result, documented there).""", method=True)
 
     @abc.abstractmethod
     def _order_units(self, units: UnitBatch) -> torch.Tensor:

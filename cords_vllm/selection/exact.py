@@ -34,17 +34,19 @@ from cords_vllm.selection.base import Selector
 from cords_vllm.selection.batch import HostCounts
 from cords_vllm.selection.granularity import candidate_ranks, labelled_group_ids
 from cords_vllm.selection.observation import Observation
-from cords_vllm.selection.together import SelectionSteps, run_alone
+from cords_vllm.selection.together import SelectionSteps, driven_alone
 from cords_vllm.utils import cdiv
 
 
-def select_exact(selector: Selector, keys: torch.Tensor, values: torch.Tensor, need: int, *,
-                 candidates: torch.Tensor, granularity: str = "token", group_size: int | None = None,
-                 group_index: torch.Tensor | None = None, num_candidates: int | None = None,
-                 frame_budget: int | None = None, frame_tokens: int | None = None,
-                 generator: torch.Generator | None = None,
-                 observation: Observation | None = None) -> torch.Tensor:
-    """Sorted positions of the protected tokens and of exactly ``need`` chosen candidates.
+def select_exact_steps(selector: Selector, keys: torch.Tensor, values: torch.Tensor, need: int, *,
+                       candidates: torch.Tensor, granularity: str = "token", group_size: int | None = None,
+                       group_index: torch.Tensor | None = None, num_candidates: int | None = None,
+                       frame_budget: int | None = None, frame_tokens: int | None = None,
+                       generator: torch.Generator | None = None,
+                       observation: Observation | None = None) -> SelectionSteps[torch.Tensor]:
+    """Sorted positions of the protected tokens and of exactly ``need`` chosen candidates, as a generator
+    (:mod:`~cords_vllm.selection.together`): yields what its policy needs ordered, so that several compressions may
+    order their units in one call; :func:`select_exact` runs it alone.
 
     Parameters
     ----------
@@ -79,20 +81,6 @@ def select_exact(selector: Selector, keys: torch.Tensor, values: torch.Tensor, n
     torch.Tensor
         ``long [B, protected + need]``, increasing, on ``keys.device``.
     """
-    return run_alone(select_exact_steps(
-        selector, keys, values, need, candidates=candidates, granularity=granularity, group_size=group_size,
-        group_index=group_index, num_candidates=num_candidates, frame_budget=frame_budget,
-        frame_tokens=frame_tokens, generator=generator, observation=observation))
-
-
-def select_exact_steps(selector: Selector, keys: torch.Tensor, values: torch.Tensor, need: int, *,
-                 candidates: torch.Tensor, granularity: str = "token", group_size: int | None = None,
-                 group_index: torch.Tensor | None = None, num_candidates: int | None = None,
-                 frame_budget: int | None = None, frame_tokens: int | None = None,
-                 generator: torch.Generator | None = None,
-                 observation: Observation | None = None) -> SelectionSteps[torch.Tensor]:
-    """:func:`select_exact` as a generator (:mod:`~cords_vllm.selection.together`): yields what its policy needs
-    ordered, so that several compressions may order their units in one call. Same arguments and result."""
     trusted = num_candidates is not None
     if num_candidates is None:
         num_candidates = int(candidates.sum(-1).min())
@@ -120,6 +108,11 @@ def select_exact_steps(selector: Selector, keys: torch.Tensor, values: torch.Ten
         keep = ~candidates | _first_chosen(result.keep & candidates, gid, result.order, need)
     n_keep = keys.shape[2] - num_candidates + need
     return torch.sort((~keep).to(torch.uint8), dim=-1, stable=True).indices[..., :n_keep]
+
+
+select_exact = driven_alone(select_exact_steps, "select_exact", """Sorted positions of the protected tokens and of
+    exactly ``need`` chosen candidates: :func:`select_exact_steps` driven to its result alone (same arguments and
+    result, documented there).""")
 
 
 def _labelled_frames(selector: Selector, keys: torch.Tensor, values: torch.Tensor, cand: torch.Tensor,

@@ -23,9 +23,11 @@ problem's own (so a stacked call returns, row by row, the order each problem get
 
 from __future__ import annotations
 
-from collections.abc import Generator, Hashable, Sequence
+import functools
+import inspect
+from collections.abc import Callable, Generator, Hashable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar
 
 import torch
 
@@ -35,6 +37,7 @@ if TYPE_CHECKING:
     from cords_vllm.selection.base import Selector
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 #: A selection run as a generator: yields work (:class:`Stackable`), receives its result, returns its own.
 SelectionSteps = Generator["Stackable", Any, T]
@@ -94,6 +97,32 @@ def run_alone(steps: SelectionSteps[T]) -> T:
             request = steps.send(request.run())
     except StopIteration as done:
         return done.value
+
+
+def driven_alone(steps: Callable[P, SelectionSteps[T]], name: str, doc: str, *,
+                 method: bool = False) -> Callable[P, T]:
+    """The plain function of a selection generator: ``steps`` with the same arguments, driven by :func:`run_alone`
+    to its result (one signature, written once, for both; ``inspect.signature`` follows ``steps``). ``name`` and
+    ``doc``: the plain function's own. ``method``: ``steps`` is a method, looked up on the instance at each call (so
+    a subclass's override is the one driven)."""
+
+    @functools.wraps(steps)
+    def alone(*args: P.args, **kwargs: P.kwargs) -> T:
+        if method:
+            self, *rest = args
+            return run_alone(getattr(self, steps.__name__)(*rest, **kwargs))
+        return run_alone(steps(*args, **kwargs))
+
+    alone.__name__ = name
+    alone.__qualname__ = steps.__qualname__.rsplit(".", 1)[0] + "." + name if "." in steps.__qualname__ else name
+    alone.__doc__ = doc
+    # What it returns is what the generator returns: SelectionSteps[X] -> X (annotations are strings here).
+    returns = inspect.signature(steps).return_annotation
+    if isinstance(returns, str) and returns.startswith("SelectionSteps[") and returns.endswith("]"):
+        returns = returns[len("SelectionSteps["):-1]
+    alone.__annotations__ = {**steps.__annotations__, "return": returns}
+    alone.__signature__ = inspect.signature(steps).replace(return_annotation=returns)
+    return alone
 
 
 def run_together(runs: Sequence[SelectionSteps[Any]]) -> list[Any]:

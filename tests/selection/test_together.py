@@ -146,3 +146,31 @@ def test_stacked_under_the_greedy_kernel_equal_each_alone(spec):
     problems = [p for p in _problems(1) if p["granularity"] != "token"]  # few units: quick under the interpreter
     with kernels_in_force("triton"):
         assert _differences(_selector(spec), problems) == []
+
+
+def test_the_plain_functions_are_their_generators_driven_alone():
+    """``Selector.select`` and ``select_exact`` take their generators' arguments (one signature, written once) and
+    return what the generator returns; ``select`` drives the instance's own ``select_steps``, a subclass's override
+    included."""
+    import inspect
+
+    from cords_vllm.selection.exact import select_exact, select_exact_steps
+
+    for plain, steps, returns in ((Selector.select, Selector.select_steps, "SelectionResult"),
+                                  (select_exact, select_exact_steps, "torch.Tensor")):
+        assert list(inspect.signature(plain).parameters) == list(inspect.signature(steps).parameters)
+        assert inspect.signature(plain).return_annotation == returns
+    assert Selector.select.__qualname__ == "Selector.select" and select_exact.__name__ == "select_exact"
+
+    @dataclass(frozen=True)
+    class Overridden(Selector):
+        name: ClassVar[str] = "overridden"
+
+        def select_steps(self, *args, **kwargs):
+            yield from ()
+            return "the override's result"
+
+        def _order_units(self, units: UnitBatch) -> torch.Tensor:  # pragma: no cover - never reached
+            raise AssertionError
+
+    assert Overridden().select(torch.zeros(1, 1, 4, 2), torch.zeros(1, 1, 4, 2), 2) == "the override's result"
