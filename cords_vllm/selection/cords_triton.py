@@ -20,9 +20,9 @@ Design (one GEMM, then a persistent greedy loop over rows):
    of the running cosines, and the orthonormal directions of the selected set in a global buffer (at most ``Dc``
    per component, ``[P, 2, Dc, Dc]``). A step whose new unit still has a residual orthogonalises its features
    against the directions so far (``O(n Dc)``) and projects every unit on the new direction (one pass over the
-   units' features, ``O(M Dc)``, the reference's matvec); a step whose new unit has none (every step once the
-   directions span the space, after at most ``Dc`` of them) costs what a D^2 step costs. No host read: the
-   reference reads its saturation flag back once per step until it saturates.
+   units' features, ``O(M Dc)``, whole units at a time, the reference's matvec); a step whose new unit has none
+   (every step once the directions span the space, after at most ``Dc`` of them) costs what a D^2 step costs. No
+   host read: the reference reads its saturation flag back once per step until it saturates.
 
 The arithmetic is the reference's, term for term (:mod:`cords_vllm.selection.cords`'s "Numerics"): the same
 snapping of distances to 0 and of cosines to 1, the same normalisation and the same tie slack. Dot products come
@@ -62,8 +62,8 @@ except ImportError:  # the kernels are only built when kernel_backend says Trito
     triton = tl = None
 
 
-def _exact_residual(res, thr, n_dirs, j, offs, inside, feats_ptr, f_row, f_unit, comp_off, comp_dim, basis_ptr,
-                    b_base, b_rows, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_D: tl.constexpr):
+def _exact_residual(res, thr, n_dirs, j, offs, inside, m_units, feats_ptr, f_row, f_unit, comp_off, comp_dim,
+                    basis_ptr, b_base, b_rows, proj_ptr, p_row, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
     """One component's (keys' or values') exact novelty after unit ``j`` joins the selected set: the squared
     residuals ``res`` (``[BLOCK]``, snapped to 0 below ``thr``) lose their projection on ``j``'s new direction.
 
@@ -73,7 +73,8 @@ def _exact_residual(res, thr, n_dirs, j, offs, inside, feats_ptr, f_row, f_unit,
     square of its projection on it, is clamped at 0 and snapped to 0 at ``thr``. The directions are rows of
     ``basis[b_base:]`` (``comp_dim`` wide, at most ``b_rows`` of them: a span of ``comp_dim`` dimensions holds no
     more). The reference keeps a zero row where no direction is added; here none is kept, which changes no sum but
-    their order. Returns ``(res, n_dirs)``."""
+    their order. The projections are computed ``BLOCK_S`` whole units at a time (each unit's channels read
+    contiguously) into ``proj[p_row:]``, then read back as one vector. Returns ``(res, n_dirs)``."""
     res_j = tl.sum(tl.where(offs == j, res, 0.0), 0)
     if (res_j > 0.0) & (n_dirs < b_rows):
         d = tl.arange(0, BLOCK_D)
@@ -90,17 +91,16 @@ def _exact_residual(res, thr, n_dirs, j, offs, inside, feats_ptr, f_row, f_unit,
             u = u - delta
         norm = tl.sqrt(tl.sum(u * u, 0))
         if norm > 0.0:
-            at = b_base + n_dirs.to(tl.int64) * comp_dim
-            tl.store(basis_ptr + at + d, u / norm, mask=in_d)
-            tl.debug_barrier()  # the direction is read back in chunks below
-            proj = tl.zeros([offs.shape[0]], dtype=tl.float32)
-            for d0 in range(0, comp_dim, CHUNK_D):
-                dd = d0 + tl.arange(0, CHUNK_D)
-                in_dd = dd < comp_dim
-                q = tl.load(basis_ptr + at + dd, mask=in_dd, other=0.0)
-                x = tl.load(feats_ptr + f_row + offs[:, None].to(tl.int64) * f_unit + comp_off + dd[None, :],
-                            mask=inside[:, None] & in_dd[None, :], other=0.0)
-                proj += tl.sum(x * q[None, :], 1)
+            q = u / norm
+            tl.store(basis_ptr + b_base + n_dirs.to(tl.int64) * comp_dim + d, q, mask=in_d)
+            for m0 in range(0, m_units, BLOCK_S):
+                m = m0 + tl.arange(0, BLOCK_S)
+                x = tl.load(feats_ptr + f_row + m[:, None].to(tl.int64) * f_unit + comp_off + d[None, :],
+                            mask=(m < m_units)[:, None] & in_d[None, :], other=0.0)
+                tl.store(proj_ptr + p_row + m, tl.sum(x * q[None, :], 1), mask=m < m_units)
+            tl.debug_barrier()  # every unit's projection, written by other threads, is read back as one vector
+            proj = tl.load(proj_ptr + p_row + offs, mask=inside, other=0.0)
+            tl.debug_barrier()  # read before the next direction's projections overwrite it
             res = tl.maximum(res - proj * proj, 0.0)
             res = tl.where(res <= thr, 0.0, res)
             n_dirs += 1
@@ -108,16 +108,17 @@ def _exact_residual(res, thr, n_dirs, j, offs, inside, feats_ptr, f_row, f_unit,
 
 
 def _greedy_kernel(gk_ptr, gv_ptr, kn_ptr, vn_ptr, seed_ptr, valid_ptr, k_ptr, out_ptr,
-                   feats_ptr, basis_ptr, m_units, k_max, gram_stride, f_problem, f_unit, comp_dim, value_off, b_rows,
+                   feats_ptr, basis_ptr, proj_ptr, m_units, k_max, gram_stride, f_problem, f_unit, comp_dim, value_off,
+                   b_rows,
                    alpha, one_minus_alpha, neg2a, neg2b, eta, one_minus_eta, lam, eps0, tol, neg_snap,
                    USE_KD: tl.constexpr, USE_VD: tl.constexpr, USE_KO: tl.constexpr, USE_VO: tl.constexpr,
-                   EXACT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-                   CHUNK_D: tl.constexpr):
+                   EXACT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
     """One problem's whole greedy run (program ``p``); writes ``out[p, :k_max]`` (``-1`` after ``k[p]``).
 
     ``EXACT``: the novelty is the exact residual (:func:`_exact_residual`, reading the units' features
     ``feats[p]``, ``f_unit`` apart, keys at 0 and values at ``value_off``, each ``comp_dim`` wide; the directions in
-    ``basis[p]``, ``[2, b_rows, comp_dim]``), else the max-cosine surrogate (from the Gram rows)."""
+    ``basis[p]``, ``[2, b_rows, comp_dim]``; the projections in ``proj[p]``, ``[m_units]``), else the max-cosine
+    surrogate (from the Gram rows)."""
     p = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     inside = offs < m_units
@@ -182,13 +183,14 @@ def _greedy_kernel(gk_ptr, gv_ptr, kn_ptr, vn_ptr, seed_ptr, valid_ptr, k_ptr, o
             orth = tl.zeros([BLOCK], dtype=tl.float32)
             if EXACT:
                 if USE_KO:
-                    res_k, dirs_k = _exact_residual(res_k, thr_k, dirs_k, j, offs, inside, feats_ptr, f_row, f_unit,
-                                                    0, comp_dim, basis_ptr, b_key, b_rows, BLOCK_D, BLOCK_S, CHUNK_D)
+                    res_k, dirs_k = _exact_residual(res_k, thr_k, dirs_k, j, offs, inside, m_units, feats_ptr, f_row,
+                                                    f_unit, 0, comp_dim, basis_ptr, b_key, b_rows, proj_ptr, vec,
+                                                    BLOCK_D, BLOCK_S)
                     orth = res_k * eta
                 if USE_VO:
-                    res_v, dirs_v = _exact_residual(res_v, thr_v, dirs_v, j, offs, inside, feats_ptr, f_row, f_unit,
-                                                    value_off, comp_dim, basis_ptr, b_value, b_rows, BLOCK_D, BLOCK_S,
-                                                    CHUNK_D)
+                    res_v, dirs_v = _exact_residual(res_v, thr_v, dirs_v, j, offs, inside, m_units, feats_ptr, f_row,
+                                                    f_unit, value_off, comp_dim, basis_ptr, b_value, b_rows, proj_ptr,
+                                                    vec, BLOCK_D, BLOCK_S)
                     orth = orth + res_v * one_minus_eta
             else:
                 if USE_KO:
@@ -339,17 +341,20 @@ def greedy_from_units(feats: torch.Tensor, key_dim: int, kn: torch.Tensor, vn: t
     seed = seed if terms.use_kd and terms.use_vd else (kn if terms.use_kd else vn)
     out = torch.empty((p_count, k_max), dtype=torch.long, device=feats.device)
     tol = snap_tolerance(feats.dtype)
-    # The exact novelty's directions: [P, 2, b_rows, Dc], at most Dc of them per component (they are orthonormal).
+    # The exact novelty's directions, [P, 2, b_rows, Dc] (at most Dc per component: they are orthonormal), and every
+    # unit's projection on the newest, [P, M].
     comp_dim = key_dim if terms.use_ko or not terms.use_vo else f_dim - key_dim
     b_rows = min(k_max, comp_dim)
     if terms.exact:
         feats = feats if feats.stride(-1) == 1 else feats.contiguous()
-        basis = torch.empty((p_count, 2, b_rows, comp_dim), dtype=torch.float32, device=feats.device)
+        scratch = torch.empty(p_count * (2 * b_rows * comp_dim + m_units), dtype=torch.float32, device=feats.device)
+        basis, proj = scratch[: p_count * 2 * b_rows * comp_dim], scratch[p_count * 2 * b_rows * comp_dim:]
     else:
-        basis = empty
+        basis = proj = empty
     _compiled(interpreting())[(p_count,)](
         gk, gv, kn.contiguous(), vn.contiguous(), seed.contiguous(), valid.contiguous(), k, out,
-        feats, basis, m_units, k_max, m_units * m_units, feats.stride(0), feats.stride(1), comp_dim, key_dim, b_rows,
+        feats, basis, proj, m_units, k_max, m_units * m_units, feats.stride(0), feats.stride(1), comp_dim, key_dim,
+        b_rows,
         alpha, 1.0 - alpha, -2.0 * alpha, -2.0 * (1.0 - alpha), eta, 1.0 - eta, lam, eps0, tol, -(1.0 - tol),
         USE_KD=terms.use_kd, USE_VD=terms.use_vd, USE_KO=terms.use_ko, USE_VO=terms.use_vo, EXACT=terms.exact,
         **tiles(m_units, comp_dim),
@@ -359,9 +364,9 @@ def greedy_from_units(feats: torch.Tensor, key_dim: int, kn: torch.Tensor, vn: t
 
 def tiles(m_units: int, comp_dim: int) -> dict[str, int]:
     """The greedy kernel's widths for ``m_units`` units of ``comp_dim`` channels per component: ``BLOCK`` (the units,
-    a power of two), ``BLOCK_D`` (a component), the exact novelty's tiles (``BLOCK_S`` directions, ``CHUNK_D``
-    channels of every unit: about 4,096 elements each) and the warps."""
+    a power of two), ``BLOCK_D`` (a component), the exact novelty's tile height (``BLOCK_S`` directions or units of
+    ``BLOCK_D`` channels: about 4,096 elements) and the warps."""
     block = max(16, triton.next_power_of_2(m_units))
     block_d = max(16, triton.next_power_of_2(comp_dim))
     return {"BLOCK": block, "BLOCK_D": block_d, "BLOCK_S": max(1, min(64, 4096 // block_d)),
-            "CHUNK_D": max(1, min(block_d, 4096 // block)), "num_warps": _warps(block)}
+            "num_warps": _warps(block)}
