@@ -2,11 +2,11 @@
 
 The kernel path beside its reference, :func:`~cords_vllm.compress.step.compress_region`'s PyTorch path (which stays
 the CPU path and the reference this one is tested against), for the greedy D^2 family the greedy kernel runs
-(:meth:`~cords_vllm.selection.base.Selector.greedy_params`: ``cords`` with either novelty in the paper's space,
+(:meth:`~cords_vllm.selection.base.Selector.greedy_params`: ``cords`` with either novelty in either space,
 ``k_only``, ``v_only``). Where the PyTorch path runs a hundred-odd small ops per compression (region tokens,
 candidate ranks, frame ids, frame budget, centroids, the exact-count trim, the sort of kept positions, the held
-tokens' gathers), this one runs seven launches whatever the granularity, layer count or anchor count (eight with an
-fp8 cache, whose anchors' scales are gathered in one more):
+tokens' gathers), this one runs seven launches whatever the granularity, layer count or anchor count (one more with an
+fp8 cache, whose anchors' scales are gathered, and one more in the normalized space):
 
 1. :func:`_plan_kernel`, one program per problem (anchor, or anchor and KV head per head): the region's tokens
    (previously held, then entering), the recent window's protection, and the *units* the policy ranks: candidate
@@ -39,14 +39,18 @@ Held tokens: the region's tokens after a compression are returned per layer as v
 per field (``H' = 1`` for joint selection, expanded over the heads), so the next compression reads every anchor's
 without a stack. Tokens held in another form (the PyTorch path's) are stacked first (a few launches, once).
 
-Not covered (the PyTorch path runs them, with the launches it counts): other policies, the normalized space, joint
-selection under tensor parallelism (its head gather), caches other than the paged views of
-vLLM's GPU backends, and problems past the greedy kernel's limits. fp8 caches (e4m3, e5m2) are covered: the units
+The normalized space (``cords`` with ``space="normalized"``) adds one launch, :func:`_normalize_kernel`, which scales
+every problem's units in place before the Gram GEMMs.
+
+Not covered (the PyTorch path runs them, with the launches it counts): other policies, joint selection under tensor
+parallelism (its head gather), caches other than the paged views of vLLM's GPU backends, and problems past the greedy
+kernel's limits. fp8 caches (e4m3, e5m2) are covered: the units
 kernel decodes their bytes with the layers' scales, as :class:`~cords_vllm.compress.kv_codec.Fp8Codec` does.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections.abc import Sequence
@@ -344,6 +348,65 @@ def _finish_kernel(order, k_in, still_in, count_in, elig_rank, unit_of, unit_sta
             tl.store(nonfinite, tl.load(nonfinite) + tl.load(flag).to(tl.int64))
 
 
+def _normalize_kernel(feats, norms, valid, m_units, width, f_problem, n_field, n_problem,
+                      BLOCK_S: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Problem ``p``'s units in the normalized space, in place: its keys and its values each divided by their RMS
+    spread over its valid units, as :func:`~cords_vllm.selection.cords.normalized_features` does (invalid units set
+    to 0, a space with no spread left as it is), then their norms made again as the units kernel makes them.
+    ``feats``: rows of ``2 * width`` (keys, values) ``f_problem`` apart; ``norms``: ``[3, P, M]`` (key, value, seed
+    norms, ``n_field`` and ``n_problem`` apart); ``valid``: ``int8 [P, M]``. Three passes over the units, ``BLOCK_S``
+    at a time: their sums, their spread, the scaled units."""
+    p = tl.program_id(0).to(tl.int64)
+    w = tl.arange(0, BLOCK_W)
+    in_w = w < width
+    row = feats + p * f_problem
+    sum_k = tl.zeros([BLOCK_W], dtype=tl.float32)
+    sum_v = tl.zeros([BLOCK_W], dtype=tl.float32)
+    count = tl.zeros([], dtype=tl.int32)
+    for m0 in range(0, m_units, BLOCK_S):
+        m = m0 + tl.arange(0, BLOCK_S)
+        ok = (m < m_units) & (tl.load(valid + p * m_units + m, mask=m < m_units, other=0) != 0)
+        at = m[:, None].to(tl.int64) * (2 * width) + w[None, :]
+        mask = ok[:, None] & in_w[None, :]
+        sum_k += tl.sum(tl.load(row + at, mask=mask, other=0.0), 0)
+        sum_v += tl.sum(tl.load(row + at + width, mask=mask, other=0.0), 0)
+        count += tl.sum(ok.to(tl.int32), 0)
+    n = tl.maximum(count, 1).to(tl.float32)
+    mean_k = sum_k / n
+    mean_v = sum_v / n
+    sq_k = tl.zeros([BLOCK_W], dtype=tl.float32)
+    sq_v = tl.zeros([BLOCK_W], dtype=tl.float32)
+    for m0 in range(0, m_units, BLOCK_S):
+        m = m0 + tl.arange(0, BLOCK_S)
+        ok = (m < m_units) & (tl.load(valid + p * m_units + m, mask=m < m_units, other=0) != 0)
+        at = m[:, None].to(tl.int64) * (2 * width) + w[None, :]
+        mask = ok[:, None] & in_w[None, :]
+        dk = tl.where(mask, tl.load(row + at, mask=mask, other=0.0) - mean_k[None, :], 0.0)
+        dv = tl.where(mask, tl.load(row + at + width, mask=mask, other=0.0) - mean_v[None, :], 0.0)
+        sq_k += tl.sum(dk * dk, 0)
+        sq_v += tl.sum(dv * dv, 0)
+    spread_k = tl.sum(sq_k, 0) / n
+    spread_v = tl.sum(sq_v, 0) / n
+    scale_k = tl.where(spread_k > 0.0, 1.0 / tl.sqrt_rn(tl.where(spread_k > 0.0, spread_k, 1.0)), 1.0)
+    scale_v = tl.where(spread_v > 0.0, 1.0 / tl.sqrt_rn(tl.where(spread_v > 0.0, spread_v, 1.0)), 1.0)
+    for m0 in range(0, m_units, BLOCK_S):
+        m = m0 + tl.arange(0, BLOCK_S)
+        inside = m < m_units
+        ok = inside & (tl.load(valid + p * m_units + m, mask=inside, other=0) != 0)
+        at = m[:, None].to(tl.int64) * (2 * width) + w[None, :]
+        mask = ok[:, None] & in_w[None, :]
+        key = tl.where(mask, tl.load(row + at, mask=mask, other=0.0), 0.0) * scale_k
+        value = tl.where(mask, tl.load(row + at + width, mask=mask, other=0.0), 0.0) * scale_v
+        store = inside[:, None] & in_w[None, :]
+        tl.store(row + at, key, mask=store)
+        tl.store(row + at + width, value, mask=store)
+        both = key + value
+        at_n = norms + p * n_problem + m
+        tl.store(at_n, tl.sqrt(tl.sum(key * key, 1)), mask=inside)
+        tl.store(at_n + n_field, tl.sqrt(tl.sum(value * value, 1)), mask=inside)
+        tl.store(at_n + 2 * n_field, tl.sqrt(tl.sum(both * both, 1)), mask=inside)
+
+
 def _row_warps(block_t: int) -> int:
     """Warps of the plan and finish programs, which hold a region's rows: enough that each thread holds at most 64
     of a vector (a 7B model's 7,744-token region: 16 warps). Not yet tuned on a GPU."""
@@ -353,7 +416,8 @@ def _row_warps(block_t: int) -> int:
 @functools.cache
 def _compiled(interpret: bool, kernel: str = "plan"):
     """Each kernel, jitted on first use (under the interpreter when ``TRITON_INTERPRET=1`` at that time)."""
-    return triton.jit({"plan": _plan_kernel, "units": _units_kernel, "finish": _finish_kernel}[kernel])
+    return triton.jit({"plan": _plan_kernel, "units": _units_kernel, "finish": _finish_kernel,
+                       "normalize": _normalize_kernel}[kernel])
 
 
 if triton is not None:  # the units kernel's helpers: jitted (compiled or interpreted alike) when Triton imports
@@ -367,8 +431,7 @@ def not_covered(selector, accessors: Sequence[KVAccessor], caches: Sequence[torc
     start-up line and :func:`covers`; see the module docstring's "Not covered"."""
     anchors = sorted(set(anchor_of))
     if selector.greedy_params() is None:
-        return (f"{selector.name} with these settings is not the greedy D^2 run the kernels take (cords in the "
-                "paper's space, k_only, v_only)")
+        return f"{selector.name} is not the greedy D^2 run the kernels take (cords, k_only, v_only)"
     if gathers_heads:
         return "joint selection under tensor parallelism gathers every rank's heads"
     if not all(isinstance(a, PagedAccessor) for a in accessors):
@@ -528,15 +591,22 @@ class GreedyOnRows:
 def _greedy(rows: _UnitRows, width: int, k_max: int, params: GreedyParams) -> torch.Tensor:
     if k_max == 0:
         return torch.empty((rows.k.shape[0], 1), dtype=torch.long, device=rows.k.device)  # never read
+    p_count, m_units, _ = rows.feats.shape
+    if params.space == "normalized":  # one more launch: every problem's units scaled, their norms made again
+        block_w = max(16, triton.next_power_of_2(width))
+        _compiled(interpreting(), "normalize")[(p_count,)](
+            rows.feats, rows.norms, rows.valid, m_units, width, rows.feats.stride(0), rows.norms.stride(0),
+            rows.norms.stride(1), BLOCK_S=max(1, 4096 // block_w), BLOCK_W=block_w)
     kn, vn, seed = rows.norms.unbind(0)
-    return greedy_from_units(rows.feats, width, kn, vn, seed, rows.valid, rows.k, k_max, params)
+    return greedy_from_units(rows.feats, width, kn, vn, seed, rows.valid, rows.k, k_max,
+                             dataclasses.replace(params, space="paper"))
 
 
 def compress_region_fused_steps(caches: Sequence[torch.Tensor], held: Sequence, batch, setup,
                                 nonfinite: torch.Tensor | None, codecs: Sequence[KVCodec] | None = None
                                 ) -> SelectionSteps[list | None]:
-    """:func:`~cords_vllm.compress.step.compress_region` (same arguments, same result) in seven launches (eight with
-    an fp8 cache), as a generator (:mod:`~cords_vllm.selection.together`): a step's fused compressions share their
+    """:func:`~cords_vllm.compress.step.compress_region` (same arguments, same result) in seven launches (one more
+    with an fp8 cache, one more in the normalized space), as a generator (:mod:`~cords_vllm.selection.together`): a step's fused compressions share their
     units' buffers and one greedy run (the two Gram GEMMs and the greedy kernel for all of them: ``4 N + 4`` launches
     for ``N`` compressions).
 

@@ -246,8 +246,8 @@ class Selector(abc.ABC):
         """
 
     def greedy_params(self) -> GreedyParams | None:
-        """The greedy D^2 run's constants when this policy is that run as the kernels compute it (CoRDS with its
-        either novelty in the paper's space, k_only, v_only), so the compress step may run it on its fused
+        """The greedy D^2 run's constants when this policy is that run as the kernels compute it (CoRDS with
+        either novelty, in either space, k_only, v_only), so the compress step may run it on its fused
         kernel path (:mod:`cords_vllm.compress.step_triton`); ``None`` (every other policy): it may not."""
         return None
 

@@ -74,13 +74,15 @@ OPS_PER_GREEDY_STEP: dict[str, int] = {"max_cosine": 30, "d2": 22}
 class GreedyParams:
     """The greedy D^2 run's constants, for a policy the kernels run as it is (see
     :meth:`~cords_vllm.selection.base.Selector.greedy_params`): either novelty of :data:`NOVELTY_VARIANTS` (or none,
-    ``lam = 0``) in the space of the raw keys and values."""
+    ``lam = 0``), in either space of :data:`SPACES` (``"normalized"``: the units' features are scaled by
+    :func:`normalized_features`'s rule before the run)."""
 
     alpha: float
     eta: float
     lam: float
     eps0: float
     novelty: str = "max_cosine"
+    space: str = "paper"
 
 
 def snap_tolerance(dtype: torch.dtype) -> float:
@@ -673,9 +675,7 @@ class CoRDSSelector(Selector):
     batches_problems: ClassVar[bool] = True
 
     def greedy_params(self) -> GreedyParams | None:
-        if self.space != "paper":
-            return None
-        return GreedyParams(self.alpha, self.eta, self.lam, self.eps0, self.novelty)
+        return GreedyParams(self.alpha, self.eta, self.lam, self.eps0, self.novelty, self.space)
 
     def _order_units(self, units: UnitBatch) -> torch.Tensor:
         feats = units.feats if self.space == "paper" else normalized_features(units.feats, units.key_dim,

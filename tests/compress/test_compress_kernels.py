@@ -165,13 +165,13 @@ def test_a_copy_that_writes_before_it_reads_is_caught(monkeypatch):
 
 
 def _launches(monkeypatch, layers: int, anchors: tuple[int, ...], granularity: str, keep: int,
-              dtype: torch.dtype = torch.bfloat16, novelty: str = "max_cosine") -> HostSyncCounter:
+              dtype: torch.dtype = torch.bfloat16, **params) -> HostSyncCounter:
     """Counted on CPU (under the interpreter): the counter's dispatch mode is a CPU stand-in."""
     if not copy_triton.interpreting():
         pytest.skip("launches are counted on CPU under TRITON_INTERPRET=1")
     caches = _caches(layers, "NBHC", dtype, shared=True, device="cpu")
     codecs = [codec_for("fp8_e4m3", 0.5, 0.25)] * layers if dtype == torch.uint8 else None
-    setup = SelectionSetup(get_selector("cords", novelty=novelty), granularity, False, anchors, kernels="triton")
+    setup = SelectionSetup(get_selector("cords", **params), granularity, False, anchors, kernels="triton")
     counter = HostSyncCounter()
     counter.watch_triton(monkeypatch, cords_triton, copy_triton, step_triton)
     accessors, batch = [PagedAccessor.of(caches[0], D)] * layers, _first(granularity, keep)
@@ -202,12 +202,17 @@ def test_launches_per_compression_do_not_grow_with_layers_or_kept_tokens(monkeyp
     fp8 = _launches(monkeypatch, 3, (0, 0, 0), granularity, 6, torch.uint8)
     assert fp8.launch_names == [*base.launch_names[:1], "cat.default", *base.launch_names[1:]]  # one more: scales
     assert fp8.uploads == [] and len(fp8.syncs) <= HOST_SYNCS_PER_COMPRESSION[granularity]
-    # The exact novelty (an ablation) runs the same kernels, with its directions' buffer beside them.
+    # The exact novelty (an ablation) runs the same kernels, with its directions' buffer beside them; the normalized
+    # space one more, which scales the units before the Gram GEMMs.
     exact = _launches(monkeypatch, 8, (0,) * 4 + (4,) * 4, granularity, 11, novelty="exact")
-    assert [n for n in exact.launch_names if n.startswith("triton:")] == [
-        n for n in base.launch_names if n.startswith("triton:")]
-    assert exact.launches <= LAUNCH_BUDGET[granularity] and len(exact.syncs) <= HOST_SYNCS_PER_COMPRESSION[granularity]
-    assert exact.uploads == []
+    assert exact.launch_names == base.launch_names
+    normalized = _launches(monkeypatch, 8, (0,) * 4 + (4,) * 4, granularity, 11, space="normalized", novelty="exact")
+    at = base.launch_names.index("triton:step_triton:units") + 1
+    assert normalized.launch_names == [*base.launch_names[:at], "triton:step_triton:normalize",
+                                       *base.launch_names[at:]]
+    for other in (exact, normalized):
+        assert other.launches <= LAUNCH_BUDGET[granularity]
+        assert len(other.syncs) <= HOST_SYNCS_PER_COMPRESSION[granularity] and other.uploads == []
 
 
 def test_the_reference_path_launches_per_layer_and_per_step(monkeypatch):

@@ -26,8 +26,8 @@ pytest.importorskip("triton.backends.nvidia")
 
 def _recorded(monkeypatch) -> list[Launch]:
     """Launches covering every specialisation: the fused step's three modes, joint and per head, with and without the
-    non-finite scan, floating and both fp8 caches, either novelty; the greedy kernel and the copy of the path the
-    fused step hands back (a policy setting it does not cover)."""
+    non-finite scan, floating and both fp8 caches, either novelty, the normalized space; the greedy kernel and the
+    copy of the path the fused step hands back (an anchor layer that follows another anchor)."""
     recorder = LaunchRecorder()
     recorder.watch(monkeypatch, step_triton, cords_triton, copy_triton)
     runs = [("token", False, (0, 0), "bfloat16"), ("block", True, None, "bfloat16"), ("frame", False, None, "fp8_e5m2"),
@@ -37,12 +37,9 @@ def _recorded(monkeypatch) -> list[Launch]:
     step_tests._compress_twice("triton", 3, "k_only", "token", False, (0, 0, 0), 0.25)
     step_tests._compress_twice("triton", 3, "cords_exact", "token", False, (0, 0, 0), 0.25)
     step_tests._compress_twice("triton", 3, "cords_exact_values", "frame", True, (0, 0, 0), 0.25)
-    step_tests.POLICIES["custom"] = {"space": "normalized"}  # not covered: the greedy kernel and the copy
-    try:
-        for kv_dtype in ("bfloat16", "fp8_e4m3"):
-            step_tests._compress_twice("triton", 3, "custom", "token", False, (0, 0, 0), 0.25, kv_dtype=kv_dtype)
-    finally:
-        del step_tests.POLICIES["custom"]
+    step_tests._compress_twice("triton", 3, "cords_normalized", "block", False, (0, 0, 0), 0.25)
+    for kv_dtype in ("bfloat16", "fp8_e4m3"):  # an anchor that follows an anchor: the greedy kernel and the copy
+        step_tests._compress_twice("triton", 3, "cords", "token", False, (0, 0, 1), 0.25, kv_dtype=kv_dtype)
     return list(recorder.launches.values())
 
 
@@ -68,7 +65,8 @@ def _at_7b_widths(launches: list[Launch]) -> list[Launch]:
 def test_every_launched_kernel_compiles_for_sm80_and_sm90(monkeypatch):
     launches = _recorded(monkeypatch)
     names = {launch.name for launch in launches}
-    assert names == {"step_triton:plan", "step_triton:units", "step_triton:finish", "cords_triton", "copy_triton"}
+    assert names == {"step_triton:plan", "step_triton:units", "step_triton:finish", "step_triton:normalize",
+                     "cords_triton", "copy_triton"}
     assert len(launches) >= 12  # distinct specialisations: modes, scopes, scans, dtypes
     assert compile_for_cuda(launches) == {}
 

@@ -40,6 +40,8 @@ POLICIES = {
     "cords_values": {"alpha": 0.0, "eta": 0.0},
     "cords_exact": {"novelty": "exact"},
     "cords_exact_values": {"novelty": "exact", "alpha": 0.1, "eta": 0.0, "lam": 0.5},
+    "cords_normalized": {"space": "normalized"},
+    "cords_normalized_exact": {"space": "normalized", "novelty": "exact", "alpha": 0.8},
     "k_only": None,
     "v_only": None,
 }
@@ -122,9 +124,11 @@ def _on(batch: RegionBatch) -> RegionBatch:
 FP8 = {"fp8_e4m3": (torch.float8_e4m3fn, 0x7F), "fp8_e5m2": (torch.float8_e5m2, 0x7E)}
 
 
-def _caches(seed: int, nan_at: tuple[int, int] | None = None, kv_dtype: str = "bfloat16") -> list[torch.Tensor]:
+def _caches(seed: int, nan_at: tuple[int, int] | None = None, kv_dtype: str = "bfloat16",
+            key_scale: float = 1.0) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     raw = torch.randn(LAYERS, NUM_BLOCKS, BS, HEADS, 2 * D, generator=g)
+    raw[..., :D] *= key_scale
     raw = raw.to(FP8[kv_dtype][0]).view(torch.uint8) if kv_dtype in FP8 else raw.to(torch.bfloat16)
     raw[:, :, ::3] = raw[:, :, 1::3][:, :, : raw[:, :, ::3].shape[2]]  # duplicated tokens: exact ties
     if nan_at is not None:
@@ -146,13 +150,14 @@ def _codecs(kv_dtype: str) -> list | None:
 
 def _compress_twice(kernels: str, seed: int, policy: str, granularity: str, per_head: bool,
                     anchors: tuple[int, ...], fraction: float, nan_at: tuple[int, int] | None = None,
-                    kv_dtype: str = "bfloat16", then: str | None = None):
+                    kv_dtype: str = "bfloat16", then: str | None = None, key_scale: float = 1.0):
     """Both compressions of one random stream; per compression the held tokens, caches and non-finite count.
-    ``then``: the second compression's ``kernels``, when it differs from the first's."""
+    ``then``: the second compression's ``kernels``, when it differs from the first's; ``key_scale``: the keys'
+    scale against the values'."""
     g = torch.Generator().manual_seed(seed)
     stream = _stream(g, frame=int(torch.randint(9, 14, (1,), generator=g)))
     block_ids = torch.randperm(NUM_BLOCKS, generator=g)
-    caches = _caches(seed, None if nan_at is None else (int(block_ids[nan_at[0]]), nan_at[1]), kv_dtype)
+    caches = _caches(seed, None if nan_at is None else (int(block_ids[nan_at[0]]), nan_at[1]), kv_dtype, key_scale)
     codecs = _codecs(kv_dtype)
     accessors = [PagedAccessor.of(caches[0], D)] * LAYERS
     unit = "block" if granularity == "runs" else granularity  # runs: blocks of a frame's length, as auto picks
@@ -207,6 +212,19 @@ def test_the_fused_step_keeps_what_the_reference_keeps(policy, granularity, per_
                  _compress_twice("triton", seed, policy, granularity, per_head, anchors, fraction))
 
 
+@pytest.mark.parametrize(("granularity", "per_head"), [("token", False), ("block", True), ("frame", False),
+                                                       ("frame", True)])
+def test_the_normalized_space_scales_each_problems_units_as_the_reference(granularity, per_head):
+    """Keys 30 times the values' scale: the normalized space (one more launch, the units scaled in place) keeps what
+    the reference keeps, and not what the paper's space keeps (so the scaling is seen)."""
+    ref = _compress_twice("torch", 4, "cords_normalized", granularity, per_head, (0, 0, 2), 0.25, key_scale=30.0)
+    got = _compress_twice("triton", 4, "cords_normalized", granularity, per_head, (0, 0, 2), 0.25, key_scale=30.0)
+    _assert_same(ref, got)
+    paper = _compress_twice("torch", 4, "cords", granularity, per_head, (0, 0, 2), 0.25, key_scale=30.0)
+    with pytest.raises(AssertionError):
+        _assert_same(ref, paper)
+
+
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("granularity", ["runs", "frame"])
 def test_budgets_from_none_to_nearly_every_candidate(seed, granularity):
@@ -255,23 +273,23 @@ def test_fp8_caches_are_decoded_with_their_scales(monkeypatch, kv_dtype, granula
 
 
 def test_the_fused_path_runs_and_hands_back_what_it_does_not_cover(monkeypatch):
-    """The default policy and the exact novelty run the fused step; the normalized space runs the PyTorch path (the
-    fused step is never entered), and keeps the same tokens under either choice."""
+    """Every cords setting runs the fused step; another policy, or an anchor layer that follows another anchor, runs
+    the PyTorch path (the fused step is never entered), and keeps the same tokens under either choice."""
     calls = []
     fused = step_triton.compress_region_fused_steps
     monkeypatch.setattr(step_triton, "compress_region_fused_steps", lambda *a, **k: calls.append(1) or fused(*a, **k))
-    for policy in ("cords", "cords_exact"):
+    for policy in ("cords", "cords_exact", "cords_normalized"):
         calls.clear()
         _compress_twice("triton", 1, policy, "token", False, (0, 0, 0), 0.25)
         assert calls
-    for params in ({"space": "normalized"}, {"space": "normalized", "novelty": "exact"}):
+    for policy, anchors in (("value_norm", (0, 0, 0)), ("cords", (0, 0, 1))):
         calls.clear()
-        POLICIES["custom"] = params
+        POLICIES.setdefault("value_norm", None)
         try:
-            ref = _compress_twice("torch", 1, "custom", "token", False, (0, 0, 0), 0.25)
-            got = _compress_twice("triton", 1, "custom", "token", False, (0, 0, 0), 0.25)
+            ref = _compress_twice("torch", 1, policy, "token", False, anchors, 0.25)
+            got = _compress_twice("triton", 1, policy, "token", False, anchors, 0.25)
         finally:
-            del POLICIES["custom"]
+            POLICIES.pop("value_norm")
         assert not calls
         _assert_same(ref, got)
 
@@ -345,8 +363,8 @@ def test_the_fp8_decoders_are_exact_for_every_byte():
     ("cords", {}, (0, 0, 2), "fused step: yes"),
     ("k_only", {}, (0, 0, 0), "fused step: yes"),
     ("cords", {"novelty": "exact"}, (0, 0, 0), "fused step: yes"),
-    ("cords", {"space": "normalized"}, (0, 0, 0), "fused step: no, the greedy kernel and the copy (cords with these"),
-    ("random", {}, (0, 0, 0), "fused step: no, the greedy kernel and the copy (random with these"),
+    ("cords", {"space": "normalized"}, (0, 0, 0), "fused step: yes"),
+    ("random", {}, (0, 0, 0), "fused step: no, the greedy kernel and the copy (random is not"),
     ("cords", {}, (0, 0, 1), "(an anchor layer follows another anchor)"),
 ])
 def test_the_start_up_line_says_whether_the_fused_step_runs(policy, params, anchor_of, expected):
