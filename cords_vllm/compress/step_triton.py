@@ -189,13 +189,14 @@ def _plan_kernel(held_ids, held_video, held_labels, hs_a, hs_h, new_ids, new_lab
 
 def _e4m3(b):
     """fp32 values of e4m3fn bytes (``uint8``; NaN bytes decode as numbers: the caller masks them), exactly: normal
-    numbers rebuilt as fp32 bits (exponent bias 7 -> 127), subnormals ``m * 2^-9``."""
+    numbers rebuilt as fp32 bits (exponent bias 7 -> 127), subnormals ``m * 2^-9``, the sign set as a bit (so the
+    byte of -0 is -0: Triton 3.6, on GPU hosts, negates a float as ``0 - x``, which gives +0)."""
     b = b.to(tl.int32)
     e = (b >> 3) & 0xF
     m = b & 0x7
     normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
     magnitude = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
-    return tl.where((b & 0x80) != 0, -magnitude, magnitude)
+    return (magnitude.to(tl.int32, bitcast=True) | ((b & 0x80) << 24)).to(tl.float32, bitcast=True)
 
 
 def _e5m2(b):
@@ -606,9 +607,9 @@ def compress_region_fused_steps(caches: Sequence[torch.Tensor], held: Sequence, 
                                 nonfinite: torch.Tensor | None, codecs: Sequence[KVCodec] | None = None
                                 ) -> SelectionSteps[list | None]:
     """:func:`~cords_vllm.compress.step.compress_region` (same arguments, same result) in seven launches (one more
-    with an fp8 cache, one more in the normalized space), as a generator (:mod:`~cords_vllm.selection.together`): a step's fused compressions share their
-    units' buffers and one greedy run (the two Gram GEMMs and the greedy kernel for all of them: ``4 N + 4`` launches
-    for ``N`` compressions).
+    with an fp8 cache, one more in the normalized space), as a generator (:mod:`~cords_vllm.selection.together`): a
+    step's fused compressions share their units' buffers and one greedy run (the two Gram GEMMs and the greedy kernel
+    for all of them: ``4 N + 4`` launches for ``N`` compressions).
 
     Returns ``None``, before anything is written (the caller then runs the PyTorch path): the region exceeds
     :data:`MAX_ROWS` or the problem the greedy kernel's limits, or a layer holds other tokens than its anchor (held
