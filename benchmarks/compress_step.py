@@ -228,8 +228,7 @@ def measure(case: Case, kernels: str, device: torch.device, dtype: torch.dtype, 
     element = caches[0].element_size()
     floor_bytes = shape.layers * (shape.held + shape.kept) * shape.heads * 2 * shape.head_size * element
     with kernels_in_force(kernels):
-        fused = use_triton(device) and step_triton.covers(setup.selector, accessors, caches, None, setup.anchor_of,
-                                                          False)
+        fused = use_triton(device) and step_triton.covers(setup.selector, accessors, caches, None, setup.anchor_of)
     path = "fused step" if fused else "greedy kernel + copy" if kernels == "triton" else "PyTorch"
     row = Row(case=case.name, kernels=kernels, held=shape.held, kept=shape.kept, path=path,
               wall_ms=statistics.median(walls), wall_min_ms=min(walls),

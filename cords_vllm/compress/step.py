@@ -443,7 +443,7 @@ def _fused(caches: Sequence[torch.Tensor], accessors: Sequence[KVAccessor], code
         return False
     from cords_vllm.compress.step_triton import covers
 
-    return covers(setup.selector, accessors, caches, codecs, setup.anchor_of, setup.gather_heads is not None)
+    return covers(setup.selector, accessors, caches, codecs, setup.anchor_of)
 
 
 def describe_path(caches: Sequence[torch.Tensor], accessors: Sequence[KVAccessor], codecs: Sequence[KVCodec] | None,
@@ -458,7 +458,7 @@ def describe_path(caches: Sequence[torch.Tensor], accessors: Sequence[KVAccessor
             return line
         from cords_vllm.compress.step_triton import not_covered
 
-        why = not_covered(setup.selector, accessors, caches, codecs, setup.anchor_of, setup.gather_heads is not None)
+        why = not_covered(setup.selector, accessors, caches, codecs, setup.anchor_of)
     return f"{line}; fused step: " + ("yes (a fixed number of launches per compression)" if why is None else
                                        f"no, the greedy kernel and the copy ({why})")
 

@@ -42,10 +42,16 @@ without a stack. Tokens held in another form (the PyTorch path's) are stacked fi
 The normalized space (``cords`` with ``space="normalized"``) adds one launch, :func:`_normalize_kernel`, which scales
 every problem's units in place before the Gram GEMMs.
 
-Not covered (the PyTorch path runs them, with the launches it counts): other policies, joint selection under tensor
-parallelism (its head gather), caches other than the paged views of vLLM's GPU backends, and problems past the greedy
-kernel's limits. fp8 caches (e4m3, e5m2) are covered: the units
-kernel decodes their bytes with the layers' scales, as :class:`~cords_vllm.compress.kv_codec.Fp8Codec` does.
+Joint selection under tensor parallelism (:func:`_gathered_rows`): each rank makes its own heads' units, one
+all-gather of the units' features (``4 * P * M * 2 * H_local * D`` bytes sent, ``M`` units: less than the PyTorch
+path's gather of the region's keys and values, ``T >= M`` tokens) gives every rank all heads' units, and every rank
+runs the same greedy run; four more launches (the units' copy into the rows the greedy run reads, and their norms
+over all heads), besides the collective's own.
+
+Not covered (the PyTorch path runs them, with the launches it counts): other policies, caches other than the paged
+views of vLLM's GPU backends, an anchor layer that follows another anchor, and problems past the greedy kernel's
+limits. fp8 caches (e4m3, e5m2) are covered: the units kernel decodes their bytes with the layers' scales, as
+:class:`~cords_vllm.compress.kv_codec.Fp8Codec` does.
 """
 
 from __future__ import annotations
@@ -349,58 +355,63 @@ def _finish_kernel(order, k_in, still_in, count_in, elig_rank, unit_of, unit_sta
             tl.store(nonfinite, tl.load(nonfinite) + tl.load(flag).to(tl.int64))
 
 
-def _normalize_kernel(feats, norms, valid, m_units, width, f_problem, n_field, n_problem,
-                      BLOCK_S: tl.constexpr, BLOCK_W: tl.constexpr):
+def _normalize_kernel(feats, norms, valid, m_units, width, f_problem, n_field, n_problem, v_problem,
+                      SCALE: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_W: tl.constexpr):
     """Problem ``p``'s units in the normalized space, in place: its keys and its values each divided by their RMS
     spread over its valid units, as :func:`~cords_vllm.selection.cords.normalized_features` does (invalid units set
     to 0, a space with no spread left as it is), then their norms made again as the units kernel makes them.
     ``feats``: rows of ``2 * width`` (keys, values) ``f_problem`` apart; ``norms``: ``[3, P, M]`` (key, value, seed
-    norms, ``n_field`` and ``n_problem`` apart); ``valid``: ``int8 [P, M]``. Three passes over the units, ``BLOCK_S``
-    at a time: their sums, their spread, the scaled units."""
+    norms, ``n_field`` and ``n_problem`` apart); ``valid``: ``int8`` rows ``v_problem`` apart. Three passes over the
+    units, ``BLOCK_S`` at a time: their sums, their spread, the scaled units. Without ``SCALE``, only the last: the
+    norms of the units as they are."""
     p = tl.program_id(0).to(tl.int64)
     w = tl.arange(0, BLOCK_W)
     in_w = w < width
     row = feats + p * f_problem
-    sum_k = tl.zeros([BLOCK_W], dtype=tl.float32)
-    sum_v = tl.zeros([BLOCK_W], dtype=tl.float32)
-    count = tl.zeros([], dtype=tl.int32)
-    for m0 in range(0, m_units, BLOCK_S):
-        m = m0 + tl.arange(0, BLOCK_S)
-        ok = (m < m_units) & (tl.load(valid + p * m_units + m, mask=m < m_units, other=0) != 0)
-        at = m[:, None].to(tl.int64) * (2 * width) + w[None, :]
-        mask = ok[:, None] & in_w[None, :]
-        sum_k += tl.sum(tl.load(row + at, mask=mask, other=0.0), 0)
-        sum_v += tl.sum(tl.load(row + at + width, mask=mask, other=0.0), 0)
-        count += tl.sum(ok.to(tl.int32), 0)
-    n = tl.maximum(count, 1).to(tl.float32)
-    mean_k = sum_k / n
-    mean_v = sum_v / n
-    sq_k = tl.zeros([BLOCK_W], dtype=tl.float32)
-    sq_v = tl.zeros([BLOCK_W], dtype=tl.float32)
-    for m0 in range(0, m_units, BLOCK_S):
-        m = m0 + tl.arange(0, BLOCK_S)
-        ok = (m < m_units) & (tl.load(valid + p * m_units + m, mask=m < m_units, other=0) != 0)
-        at = m[:, None].to(tl.int64) * (2 * width) + w[None, :]
-        mask = ok[:, None] & in_w[None, :]
-        dk = tl.where(mask, tl.load(row + at, mask=mask, other=0.0) - mean_k[None, :], 0.0)
-        dv = tl.where(mask, tl.load(row + at + width, mask=mask, other=0.0) - mean_v[None, :], 0.0)
-        sq_k += tl.sum(dk * dk, 0)
-        sq_v += tl.sum(dv * dv, 0)
-    spread_k = tl.sum(sq_k, 0) / n
-    spread_v = tl.sum(sq_v, 0) / n
-    scale_k = tl.where(spread_k > 0.0, 1.0 / tl.sqrt_rn(tl.where(spread_k > 0.0, spread_k, 1.0)), 1.0)
-    scale_v = tl.where(spread_v > 0.0, 1.0 / tl.sqrt_rn(tl.where(spread_v > 0.0, spread_v, 1.0)), 1.0)
+    scale_k = 1.0
+    scale_v = 1.0
+    if SCALE:
+        sum_k = tl.zeros([BLOCK_W], dtype=tl.float32)
+        sum_v = tl.zeros([BLOCK_W], dtype=tl.float32)
+        count = tl.zeros([], dtype=tl.int32)
+        for m0 in range(0, m_units, BLOCK_S):
+            m = m0 + tl.arange(0, BLOCK_S)
+            ok = (m < m_units) & (tl.load(valid + p * v_problem + m, mask=m < m_units, other=0) != 0)
+            at = m[:, None].to(tl.int64) * (2 * width) + w[None, :]
+            mask = ok[:, None] & in_w[None, :]
+            sum_k += tl.sum(tl.load(row + at, mask=mask, other=0.0), 0)
+            sum_v += tl.sum(tl.load(row + at + width, mask=mask, other=0.0), 0)
+            count += tl.sum(ok.to(tl.int32), 0)
+        n = tl.maximum(count, 1).to(tl.float32)
+        mean_k = sum_k / n
+        mean_v = sum_v / n
+        sq_k = tl.zeros([BLOCK_W], dtype=tl.float32)
+        sq_v = tl.zeros([BLOCK_W], dtype=tl.float32)
+        for m0 in range(0, m_units, BLOCK_S):
+            m = m0 + tl.arange(0, BLOCK_S)
+            ok = (m < m_units) & (tl.load(valid + p * v_problem + m, mask=m < m_units, other=0) != 0)
+            at = m[:, None].to(tl.int64) * (2 * width) + w[None, :]
+            mask = ok[:, None] & in_w[None, :]
+            dk = tl.where(mask, tl.load(row + at, mask=mask, other=0.0) - mean_k[None, :], 0.0)
+            dv = tl.where(mask, tl.load(row + at + width, mask=mask, other=0.0) - mean_v[None, :], 0.0)
+            sq_k += tl.sum(dk * dk, 0)
+            sq_v += tl.sum(dv * dv, 0)
+        spread_k = tl.sum(sq_k, 0) / n
+        spread_v = tl.sum(sq_v, 0) / n
+        scale_k = tl.where(spread_k > 0.0, 1.0 / tl.sqrt_rn(tl.where(spread_k > 0.0, spread_k, 1.0)), 1.0)
+        scale_v = tl.where(spread_v > 0.0, 1.0 / tl.sqrt_rn(tl.where(spread_v > 0.0, spread_v, 1.0)), 1.0)
     for m0 in range(0, m_units, BLOCK_S):
         m = m0 + tl.arange(0, BLOCK_S)
         inside = m < m_units
-        ok = inside & (tl.load(valid + p * m_units + m, mask=inside, other=0) != 0)
+        ok = inside & (tl.load(valid + p * v_problem + m, mask=inside, other=0) != 0)
         at = m[:, None].to(tl.int64) * (2 * width) + w[None, :]
         mask = ok[:, None] & in_w[None, :]
         key = tl.where(mask, tl.load(row + at, mask=mask, other=0.0), 0.0) * scale_k
         value = tl.where(mask, tl.load(row + at + width, mask=mask, other=0.0), 0.0) * scale_v
-        store = inside[:, None] & in_w[None, :]
-        tl.store(row + at, key, mask=store)
-        tl.store(row + at + width, value, mask=store)
+        if SCALE:
+            store = inside[:, None] & in_w[None, :]
+            tl.store(row + at, key, mask=store)
+            tl.store(row + at + width, value, mask=store)
         both = key + value
         at_n = norms + p * n_problem + m
         tl.store(at_n, tl.sqrt(tl.sum(key * key, 1)), mask=inside)
@@ -427,14 +438,12 @@ if triton is not None:  # the units kernel's helpers: jitted (compiled or interp
 
 
 def not_covered(selector, accessors: Sequence[KVAccessor], caches: Sequence[torch.Tensor],
-                codecs: Sequence[KVCodec] | None, anchor_of: Sequence[int], gathers_heads: bool) -> str | None:
+                codecs: Sequence[KVCodec] | None, anchor_of: Sequence[int]) -> str | None:
     """Why :func:`compress_region_fused_steps` does not run an engine's compressions (``None``: it does), for the
     start-up line and :func:`covers`; see the module docstring's "Not covered"."""
     anchors = sorted(set(anchor_of))
     if selector.greedy_params() is None:
         return f"{selector.name} is not the greedy D^2 run the kernels take (cords, k_only, v_only)"
-    if gathers_heads:
-        return "joint selection under tensor parallelism gathers every rank's heads"
     if not all(isinstance(a, PagedAccessor) for a in accessors):
         return "the KV cache is not the paged view of vLLM's GPU attention backends"
     first = caches[anchors[0]]
@@ -452,9 +461,9 @@ def not_covered(selector, accessors: Sequence[KVAccessor], caches: Sequence[torc
 
 
 def covers(selector, accessors: Sequence[KVAccessor], caches: Sequence[torch.Tensor],
-           codecs: Sequence[KVCodec] | None, anchor_of: Sequence[int], gathers_heads: bool) -> bool:
+           codecs: Sequence[KVCodec] | None, anchor_of: Sequence[int]) -> bool:
     """Whether :func:`compress_region_fused_steps` runs this compression (:func:`not_covered` finds no reason)."""
-    return not_covered(selector, accessors, caches, codecs, anchor_of, gathers_heads) is None
+    return not_covered(selector, accessors, caches, codecs, anchor_of) is None
 
 
 #: The fp8 element types the units kernel decodes, by its ``FP8`` constant.
@@ -592,15 +601,40 @@ class GreedyOnRows:
 def _greedy(rows: _UnitRows, width: int, k_max: int, params: GreedyParams) -> torch.Tensor:
     if k_max == 0:
         return torch.empty((rows.k.shape[0], 1), dtype=torch.long, device=rows.k.device)  # never read
-    p_count, m_units, _ = rows.feats.shape
     if params.space == "normalized":  # one more launch: every problem's units scaled, their norms made again
-        block_w = max(16, triton.next_power_of_2(width))
-        _compiled(interpreting(), "normalize")[(p_count,)](
-            rows.feats, rows.norms, rows.valid, m_units, width, rows.feats.stride(0), rows.norms.stride(0),
-            rows.norms.stride(1), BLOCK_S=max(1, 4096 // block_w), BLOCK_W=block_w)
+        _normalize(rows.feats, rows.norms, rows.valid, rows.feats.shape[1], width, interpreting())
     kn, vn, seed = rows.norms.unbind(0)
     return greedy_from_units(rows.feats, width, kn, vn, seed, rows.valid, rows.k, k_max,
                              dataclasses.replace(params, space="paper"))
+
+
+def _gathered_rows(local: _UnitRows, gather, heads: int, head_size: int, interp: bool
+                   ) -> SelectionSteps[tuple[_UnitRows, int]]:
+    """This rank's units (``local``: its ``heads`` KV heads) with every rank's heads, in the rows the greedy run reads:
+    one all-gather of the units' features (``float32 [P, M, 2 * heads * head_size]``, keys then values, in the
+    model's head order, as :mod:`~cords_vllm.compress.tensor_parallel` lays them out), their validity and budgets
+    copied, their norms made again over all heads (:func:`_normalize_kernel` without the scaling). Every rank runs
+    the same plan, so all call the collective at the same point with the same shape, and all order the same units.
+    Returns the rows and the width of their keys."""
+    p_count, m_units, _ = local.feats.shape
+    full = gather(local.feats.view(p_count, m_units, 2, heads, 1, head_size))  # [P, M, 2, H_all, 1, D]
+    width = full.shape[3] * head_size
+    rows = yield UnitRowsToMake(local.feats.device, p_count, m_units, width)
+    rows.feats[:, :m_units].view(p_count, m_units, 2, -1, 1, head_size).copy_(full)
+    rows.valid[:, :m_units].copy_(local.valid)
+    rows.k.copy_(local.k)
+    _normalize(rows.feats, rows.norms, rows.valid, m_units, width, interp, scale=False)
+    return rows, width
+
+
+def _normalize(feats: torch.Tensor, norms: torch.Tensor, valid: torch.Tensor, m_units: int, width: int,
+               interp: bool, scale: bool = True) -> None:
+    """:func:`_normalize_kernel` on ``P`` problems' rows (``feats`` ``[P, M', 2 * width]``, ``norms`` ``[3, P, M']``,
+    ``valid`` ``[P, M']``, rows contiguous; the first ``m_units`` units of each)."""
+    block_w = max(16, triton.next_power_of_2(width))
+    _compiled(interp, "normalize")[(feats.shape[0],)](
+        feats, norms, valid, m_units, width, feats.stride(0), norms.stride(0), norms.stride(1), valid.stride(0),
+        SCALE=scale, BLOCK_S=max(1, 4096 // block_w), BLOCK_W=block_w)
 
 
 def compress_region_fused_steps(caches: Sequence[torch.Tensor], held: Sequence, batch, setup,
@@ -698,7 +732,11 @@ def compress_region_fused_steps(caches: Sequence[torch.Tensor], held: Sequence, 
         return _handed_back(f"more than {MAX_UNITS} units or {GRAM_LIMIT_BYTES >> 30} GiB of Gram matrices")
 
     params = setup.selector.greedy_params()
-    rows = yield UnitRowsToMake(device, n_prob, max(m_units, 1), width)
+    gather = None if per_head else setup.gather_heads
+    to_make = UnitRowsToMake(device, n_prob, max(m_units, 1), width)
+    # Under tensor parallelism (joint selection) this rank's units are made alone, then gathered with the other
+    # ranks' heads into the rows the greedy run reads; otherwise made in those rows.
+    rows = (yield to_make) if gather is None else to_make.run()
     feats, valid, k = rows.feats, rows.valid, rows.k
     kn, vn, seed = rows.norms.unbind(0)
     scan = nonfinite is not None
@@ -715,6 +753,9 @@ def compress_region_fused_steps(caches: Sequence[torch.Tensor], held: Sequence, 
         s_block, s_head, s_offset, s_channel,
         MODE=mode, PER_HEAD=per_head, SCAN=scan, FP8=fp8, BLOCK_SIZE=block_size,
         BLOCK_F=max(16, triton.next_power_of_2(width)), SCAN_T=SCAN_ROWS)
+    if gather is not None:
+        rows, width = yield from _gathered_rows(rows, gather, heads, head_size, interp)
+        k = rows.k
 
     order = yield GreedyOnRows(rows, width, k_max, params)
     num_keep = batch.num_keep

@@ -26,8 +26,8 @@ pytest.importorskip("triton.backends.nvidia")
 
 def _recorded(monkeypatch) -> list[Launch]:
     """Launches covering every specialisation: the fused step's three modes, joint and per head, with and without the
-    non-finite scan, floating and both fp8 caches, either novelty, the normalized space; the greedy kernel and the
-    copy of the path the fused step hands back (an anchor layer that follows another anchor)."""
+    non-finite scan, floating and both fp8 caches, either novelty, the normalized space, a head gather; the greedy
+    kernel and the copy of the path the fused step hands back (an anchor layer that follows another anchor)."""
     recorder = LaunchRecorder()
     recorder.watch(monkeypatch, step_triton, cords_triton, copy_triton)
     runs = [("token", False, (0, 0), "bfloat16"), ("block", True, None, "bfloat16"), ("frame", False, None, "fp8_e5m2"),
@@ -38,6 +38,8 @@ def _recorded(monkeypatch) -> list[Launch]:
     step_tests._compress_twice("triton", 3, "cords_exact", "token", False, (0, 0, 0), 0.25)
     step_tests._compress_twice("triton", 3, "cords_exact_values", "frame", True, (0, 0, 0), 0.25)
     step_tests._compress_twice("triton", 3, "cords_normalized", "block", False, (0, 0, 0), 0.25)
+    # a head gather (tensor parallelism; here one rank's): the units' norms made again over the gathered heads
+    step_tests._compress_twice("triton", 3, "cords", "frame", False, (0, 0, 0), 0.25, gather_heads=lambda x: x)
     for kv_dtype in ("bfloat16", "fp8_e4m3"):  # an anchor that follows an anchor: the greedy kernel and the copy
         step_tests._compress_twice("triton", 3, "cords", "token", False, (0, 0, 1), 0.25, kv_dtype=kv_dtype)
     return list(recorder.launches.values())

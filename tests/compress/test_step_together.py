@@ -133,12 +133,15 @@ def test_a_request_that_fails_leaves_its_blocks_and_the_others_compressed():
         assert torch.equal(flat[others], ref_flat[others])
 
 
-@pytest.mark.parametrize("per_head", [False, True], ids=["joint", "per_head"])
-def test_fused_compressions_together_share_one_greedy_run_and_keep_each_ones_tokens(monkeypatch, per_head):
+@pytest.mark.parametrize(("per_head", "gather"), [(False, False), (True, False), (False, True)],
+                         ids=["joint", "per_head", "joint_head_gather"])
+def test_fused_compressions_together_share_one_greedy_run_and_keep_each_ones_tokens(monkeypatch, per_head, gather):
     """Where the fused step runs (CUDA; here Triton's interpreter), a step's compressions share their units' buffers
     and one greedy run: ``4 N + 4`` launches for ``N`` (plan, units, finish and copy each; one zero-fill, the two
     Gram GEMMs and the greedy kernel once; counted on CPU, as ``tests/compress/test_compress_kernels.py`` counts 7
-    for one), and each keeps the PyTorch path's tokens and writes its caches."""
+    for one), and each keeps the PyTorch path's tokens and writes its caches. With a head gather (tensor
+    parallelism, here one rank's), four more per compression: its gathered units copied into the shared rows (three)
+    and their norms."""
     from cords_vllm.compress import copy_triton, step_triton
     from cords_vllm.selection import cords_triton
     from tests.compress.device_audit import HostSyncCounter
@@ -148,10 +151,11 @@ def test_fused_compressions_together_share_one_greedy_run_and_keep_each_ones_tok
     batches = _batches()
     ref_caches, ref_held = _alone(SelectionSetup(get_selector("cords"), "auto", per_head, (0, 0, 2, 2),
                                                  kernels="torch"), batches)
-    setup = SelectionSetup(get_selector("cords"), "auto", per_head, (0, 0, 2, 2), kernels="triton")
+    setup = SelectionSetup(get_selector("cords"), "auto", per_head, (0, 0, 2, 2), kernels="triton",
+                           gather_heads=(lambda x: x) if gather else None)
     caches = _caches()
     accessors = [PagedAccessor.of(caches[0], D)] * LAYERS
-    assert step_triton.covers(setup.selector, accessors, caches, None, setup.anchor_of, False)
+    assert step_triton.covers(setup.selector, accessors, caches, None, setup.anchor_of)
     counter = HostSyncCounter()
     counter.watch_triton(monkeypatch, cords_triton, copy_triton, step_triton)
     with counter:
@@ -161,6 +165,6 @@ def test_fused_compressions_together_share_one_greedy_run_and_keep_each_ones_tok
             assert torch.equal(got[layer].ids, ref[layer].ids)
     assert all(torch.equal(a, b) for a, b in zip(caches, ref_caches, strict=True))
     n = len(batches)
-    assert counter.launches == 4 * n + 4, counter.launch_names
+    assert counter.launches == (8 if gather else 4) * n + 4, counter.launch_names
     assert counter.launch_names.count("triton:cords_triton") == 1
     assert len(counter.syncs) <= sum(b.granularity == "frame" for b in batches)  # each frame compression's read

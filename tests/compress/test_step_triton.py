@@ -150,10 +150,10 @@ def _codecs(kv_dtype: str) -> list | None:
 
 def _compress_twice(kernels: str, seed: int, policy: str, granularity: str, per_head: bool,
                     anchors: tuple[int, ...], fraction: float, nan_at: tuple[int, int] | None = None,
-                    kv_dtype: str = "bfloat16", then: str | None = None, key_scale: float = 1.0):
+                    kv_dtype: str = "bfloat16", then: str | None = None, key_scale: float = 1.0, gather_heads=None):
     """Both compressions of one random stream; per compression the held tokens, caches and non-finite count.
     ``then``: the second compression's ``kernels``, when it differs from the first's; ``key_scale``: the keys'
-    scale against the values'."""
+    scale against the values'; ``gather_heads``: the setup's head gather (tensor parallelism)."""
     g = torch.Generator().manual_seed(seed)
     stream = _stream(g, frame=int(torch.randint(9, 14, (1,), generator=g)))
     block_ids = torch.randperm(NUM_BLOCKS, generator=g)
@@ -161,7 +161,7 @@ def _compress_twice(kernels: str, seed: int, policy: str, granularity: str, per_
     codecs = _codecs(kv_dtype)
     accessors = [PagedAccessor.of(caches[0], D)] * LAYERS
     unit = "block" if granularity == "runs" else granularity  # runs: blocks of a frame's length, as auto picks
-    setup = SelectionSetup(_selector(policy), unit, per_head, anchors, kernels=kernels)
+    setup = SelectionSetup(_selector(policy), unit, per_head, anchors, kernels=kernels, gather_heads=gather_heads)
     nonfinite = torch.zeros((), dtype=torch.long, device=DEVICE)
     region = int(stream.spans[0, 1]) // BS  # the first video's blocks, the last cut by the block edge
     first = _batch(stream, granularity, None, 0, 0, region, block_ids, g, fraction)
@@ -223,6 +223,15 @@ def test_the_normalized_space_scales_each_problems_units_as_the_reference(granul
     paper = _compress_twice("torch", 4, "cords", granularity, per_head, (0, 0, 2), 0.25, key_scale=30.0)
     with pytest.raises(AssertionError):
         _assert_same(ref, paper)
+
+
+@pytest.mark.parametrize("granularity", ["token", "frame"])
+def test_a_head_gather_of_one_rank_keeps_what_the_reference_keeps(granularity):
+    """The fused step's tensor-parallel path (units gathered across ranks, copied into the greedy run's rows, their
+    norms made again) with one rank's gather; the ranks proper: ``tests/compress/test_tensor_parallel_heads.py``."""
+    ref = _compress_twice("torch", 6, "cords", granularity, False, (0, 0, 2), 0.25)
+    got = _compress_twice("triton", 6, "cords", granularity, False, (0, 0, 2), 0.25, gather_heads=lambda x: x)
+    _assert_same(ref, got)
 
 
 @pytest.mark.parametrize("seed", range(3))

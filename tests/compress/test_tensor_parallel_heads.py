@@ -63,14 +63,17 @@ def _batch(blocks: torch.Tensor, granularity: str) -> RegionBatch:
         group_size={"frame": FRAME, "block": BS}.get(granularity), frame_tokens=FRAME)
 
 
-def _compress(caches: list[torch.Tensor], granularity: str, per_head: bool, gather=None):
+def _compress(caches: list[torch.Tensor], granularity: str, per_head: bool, gather=None, kernels: str = "auto",
+              policy: str = "cords"):
     blocks = torch.arange(3, 3 + (TEXT + FRAMES * FRAME) // BS)
-    setup = SelectionSetup(get_selector("cords"), granularity, per_head, (0, 0, 2), gather_heads=gather)
+    setup = SelectionSetup(get_selector(policy), granularity, per_head, (0, 0, 2), gather_heads=gather,
+                           kernels=kernels)
     accessor = PagedAccessor.of(caches[0], D)
     return compress_region(caches, [accessor] * LAYERS, [None] * LAYERS, _batch(blocks, granularity), setup)
 
 
-def _tp(full: list[torch.Tensor], world: int, granularity: str, per_head: bool, exchange: bool = True):
+def _tp(full: list[torch.Tensor], world: int, granularity: str, per_head: bool, exchange: bool = True,
+        kernels: str = "auto", policy: str = "cords"):
     """Each simulated rank's caches and held tokens after compressing its shard of ``full``."""
     heads = full[0].shape[1]
     group = ThreadGroup(world)
@@ -78,7 +81,7 @@ def _tp(full: list[torch.Tensor], world: int, granularity: str, per_head: bool, 
 
     def rank(r: int):
         gather = head_gatherer(group.all_gather_of(r), world, heads) if exchange and not per_head else None
-        return _compress(shards[r], granularity, per_head, gather)
+        return _compress(shards[r], granularity, per_head, gather, kernels, policy)
 
     with ThreadPoolExecutor(world) as pool:
         held = list(pool.map(rank, range(world)))
@@ -121,3 +124,57 @@ def test_layout_rules_and_bytes():
     # Qwen2-VL-7B-like: 4 KV heads of 128 over 2 ranks, one anchor, a 2,048-token region in bf16
     assert gathered_bytes(1, 2048, 4, 128, 2, 2) == (2 * 2048 * 2 * 128 * 2, 2 * 2048 * 2 * 128 * 2)
     assert gathered_bytes(1, 2048, 4, 128, 2, 1) == (0, 0)
+
+
+class _OneKernelAtATime:
+    """A Triton kernel whose launches hold a lock: Triton's interpreter, which runs the kernels on CPU, patches its
+    language module while a kernel runs, so the simulated ranks' threads take turns (never across a collective)."""
+
+    lock = threading.Lock()
+
+    def __init__(self, kernel) -> None:
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def locked(*args, **kwargs):
+            with self.lock:
+                return launch(*args, **kwargs)
+        return locked
+
+
+@pytest.mark.parametrize(("granularity", "heads", "world", "policy"), [
+    ("token", 4, 2, "cords"), ("block", 2, 4, "cords"), ("frame", 4, 4, "k_only"), ("frame", 1, 2, "cords")])
+def test_the_fused_step_gathers_every_ranks_units(monkeypatch, granularity, heads, world, policy):
+    """Joint selection on the fused kernel path (on CPU under Triton's interpreter): each rank makes its heads' units,
+    one all-gather gives every rank all heads' units, and every rank keeps what one rank with all heads keeps on the
+    PyTorch path, bit for bit, caches included."""
+    import cords_vllm.compress.copy_triton as copy_triton
+    import cords_vllm.compress.step_triton as step_triton
+    import cords_vllm.selection.cords_triton as cords_triton
+
+    if not copy_triton.interpreting():
+        pytest.skip("the simulated ranks run the kernels under TRITON_INTERPRET=1")
+    for module in (step_triton, cords_triton, copy_triton):
+        compiled = module._compiled
+        monkeypatch.setattr(module, "_compiled", lambda *a, _c=compiled: _OneKernelAtATime(_c(*a)))
+    fused = []
+    original = step_triton._gathered_rows
+
+    def spy(*args, **kwargs):
+        fused.append(1)
+        return (yield from original(*args, **kwargs))
+
+    monkeypatch.setattr(step_triton, "_gathered_rows", spy)
+    g = torch.Generator().manual_seed(11)
+    full = [torch.randn(BLOCKS, heads, BS, 2 * D, generator=g).bfloat16() for _ in range(LAYERS)]
+    one = [c.clone() for c in full]
+    held_one = _compress(one, granularity, False, kernels="torch", policy=policy)
+    shards, held, calls = _tp(full, world, granularity, False, kernels="triton", policy=policy)
+    assert len(fused) == world and calls == 1  # every rank on the fused step; one collective
+    for r in range(world):
+        index = _heads_of(r, heads, world)
+        for layer in range(LAYERS):
+            assert torch.equal(shards[r][layer], one[layer][:, index])
+            assert torch.equal(held[r][layer].ids, held_one[layer].ids[index])
