@@ -25,10 +25,10 @@ def test_the_benchmark_compares_both_implementations_on_every_case(tmp_path: Pat
     result = json.loads((tmp_path / "compress_step.json").read_text())
     rows = result["rows"]
     cases = {r["case"] for r in rows}
-    assert len(cases) == 6 and len(rows) == 12
+    assert len(cases) == 8 and len(rows) == 16
     assert "auto (the default), anchors [0]" in cases
     assert all(r["same_ids"] is True for r in rows if r["kernels"] == "triton")
-    assert {r["path"] for r in rows if r["kernels"] == "triton"} == {"fused step"}  # every case, default cords
+    assert {r["path"] for r in rows if r["kernels"] == "triton"} == {"fused step"}  # every case: cords, either novelty
     assert {r["path"] for r in rows if r["kernels"] == "torch"} == {"PyTorch"}
     assert all(r["floor_ms"] > 0 and r["wall_ms"] > 0 for r in rows)
     if device == "cpu":
