@@ -9,6 +9,10 @@ from cords_vllm import demo_requests as demo
 pytestmark = pytest.mark.server
 
 
+# In -m slow (make test-slow): keeps the default suite under 20 minutes. The default suite serves concurrent
+# videos under cords over HTTP (tests/engine/test_server_cords.py) and runs the README's main job
+# (tests/examples/test_demo.py).
+@pytest.mark.slow
 def test_demo_trained_model_answers_right_under_cords(capsys):
     args = demo.parse_args(["--requests", "4", "--frames", "64", "--policies", "cords"])
     (result,) = demo.run_demo(args)

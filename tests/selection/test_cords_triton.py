@@ -30,9 +30,7 @@ COVERED = [
     ("cords", {"alpha": 0.6, "eta": 1.0}),
     ("cords", {"alpha": 0.1, "eta": 0.0}),
     ("cords", {"novelty": "exact"}),
-    ("cords", {"novelty": "exact", "alpha": 0.8, "eta": 1.0, "lam": 0.5}),
-    ("cords", {"novelty": "exact", "alpha": 0.0, "eta": 0.0, "lam": 1.0}),
-    ("cords", {"novelty": "exact", "space": "normalized"}),
+    ("cords", {"novelty": "exact", "alpha": 0.8, "eta": 0.0, "lam": 1.0}),
     ("k_only", {}),
     ("v_only", {}),
 ]

@@ -12,6 +12,8 @@ from tests.scripts import load_benchmark
 pytestmark = pytest.mark.engine
 
 
+# In -m slow (make test-slow): a benchmark's own check, kept out of the default suite to hold it under 20 minutes.
+@pytest.mark.slow
 def test_accuracy_benchmark_reports_cells_controls_and_plots(tmp_path: Path) -> None:
     script = load_benchmark("accuracy")
     rc = script.main(["--families", "colour", "order", "--per-family", "3", "--fractions", "0.25",
