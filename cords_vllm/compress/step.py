@@ -65,7 +65,7 @@ from cords_vllm.kernel_backend import describe, kernels_in_force, use_triton
 from cords_vllm.selection.base import Selector
 from cords_vllm.selection.exact import select_exact_steps
 from cords_vllm.selection.observation import Observation
-from cords_vllm.selection.together import SelectionSteps, run_alone, run_together
+from cords_vllm.selection.together import SelectionSteps, driven_alone, run_alone, run_together
 
 #: Host synchronisations one :func:`compress_region` call makes at most, per granularity (see the module
 #: docstring): measured on CPU by counting ``_local_scalar_dense`` / ``is_nonzero`` / ``nonzero`` / masked
@@ -239,22 +239,17 @@ def region_tokens(held: HeldTokens | None, batch: RegionBatch, num_heads: int) -
                       labels)
 
 
-def select_positions(setup: SelectionSetup, keys: torch.Tensor, values: torch.Tensor, tokens: HeldTokens,
-                     batch: RegionBatch, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Kept positions into the held tokens of each anchor layer and head.
+def select_positions_steps(setup: SelectionSetup, keys: torch.Tensor, values: torch.Tensor, tokens: HeldTokens,
+                           batch: RegionBatch, generator: torch.Generator | None = None
+                           ) -> SelectionSteps[torch.Tensor]:
+    """Kept positions into the held tokens of each anchor layer and head, as a generator
+    (:mod:`~cords_vllm.selection.together`); :func:`select_positions` runs it alone.
 
     ``keys``/``values``: ``[A, H, T, D]`` of the ``A`` anchors; ``tokens``: theirs, each field ``[A, H, T]``.
     Returns ``long [A, H, num_keep]``, increasing along the last dim. Joint selection under tensor parallelism
     (``setup.gather_heads``) selects on every rank's heads, ``[A, H_all, T, D]``, and returns the common positions
     for this rank's ``H``.
     """
-    return run_alone(select_positions_steps(setup, keys, values, tokens, batch, generator))
-
-
-def select_positions_steps(setup: SelectionSetup, keys: torch.Tensor, values: torch.Tensor, tokens: HeldTokens,
-                           batch: RegionBatch, generator: torch.Generator | None = None
-                           ) -> SelectionSteps[torch.Tensor]:
-    """:func:`select_positions` as a generator (:mod:`~cords_vllm.selection.together`)."""
     a, h, t, d = keys.shape
     unit = batch.unit(setup)
     candidates = tokens.candidates  # [A, H, T]
@@ -282,6 +277,11 @@ def select_positions_steps(setup: SelectionSetup, keys: torch.Tensor, values: to
         num_candidates=batch.num_candidates, frame_budget=batch.frame_budget, frame_tokens=batch.frame_tokens,
         generator=generator, observation=observation)
     return positions.reshape(a, h, -1) if setup.per_head else positions[:, None, :].expand(a, h, -1)
+
+
+select_positions = driven_alone(select_positions_steps, "select_positions", """Kept positions into the held tokens
+    of each anchor layer and head: :func:`select_positions_steps` driven to its result alone (same arguments and
+    result, documented there).""")
 
 
 def finite_features(x: torch.Tensor) -> torch.Tensor:

@@ -56,7 +56,6 @@ limits. fp8 caches (e4m3, e5m2) are covered: the units kernel decodes their byte
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 from collections.abc import Sequence
@@ -604,8 +603,7 @@ def _greedy(rows: _UnitRows, width: int, k_max: int, params: GreedyParams) -> to
     if params.space == "normalized":  # one more launch: every problem's units scaled, their norms made again
         _normalize(rows.feats, rows.norms, rows.valid, rows.feats.shape[1], width, interpreting())
     kn, vn, seed = rows.norms.unbind(0)
-    return greedy_from_units(rows.feats, width, kn, vn, seed, rows.valid, rows.k, k_max,
-                             dataclasses.replace(params, space="paper"))
+    return greedy_from_units(rows.feats, width, kn, vn, seed, rows.valid, rows.k, k_max, params)
 
 
 def _gathered_rows(local: _UnitRows, gather, heads: int, head_size: int, interp: bool

@@ -328,7 +328,9 @@ def greedy_from_units(feats: torch.Tensor, key_dim: int, kn: torch.Tensor, vn: t
     """The Gram matrices and the greedy kernel, on units whose norms are known: ``feats`` ``float32 [P, M, Dk + Dv]``
     (``Dk == Dv`` where the exact novelty reads both); ``kn`` / ``vn`` / ``seed``: ``float32 [P, M]`` norms of the
     keys, of the values and of their sum (``seed`` is read only where the distance reads both spaces: ``None`` is
-    allowed elsewhere); ``valid``: ``bool`` or ``int8 [P, M]``; ``k``: ``long [P]``. Returns ``long [P, k_max]``.
+    allowed elsewhere); ``valid``: ``bool`` or ``int8 [P, M]``; ``k``: ``long [P]``; ``params.space`` is not read
+    (the features are ordered as given: a caller in the normalized space scales them first). Returns
+    ``long [P, k_max]``.
     Three launches, whatever the novelty (two where the run reads one space only)."""
     p_count, m_units, f_dim = feats.shape
     alpha, eta, lam, eps0 = params.alpha, params.eta, params.lam, params.eps0

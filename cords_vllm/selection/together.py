@@ -117,11 +117,12 @@ def driven_alone(steps: Callable[P, SelectionSteps[T]], name: str, doc: str, *,
     alone.__qualname__ = steps.__qualname__.rsplit(".", 1)[0] + "." + name if "." in steps.__qualname__ else name
     alone.__doc__ = doc
     # What it returns is what the generator returns: SelectionSteps[X] -> X (annotations are strings here).
-    returns = inspect.signature(steps).return_annotation
+    signature = inspect.signature(steps)
+    returns = signature.return_annotation
     if isinstance(returns, str) and returns.startswith("SelectionSteps[") and returns.endswith("]"):
         returns = returns[len("SelectionSteps["):-1]
     alone.__annotations__ = {**steps.__annotations__, "return": returns}
-    alone.__signature__ = inspect.signature(steps).replace(return_annotation=returns)
+    alone.__signature__ = signature.replace(return_annotation=returns)
     return alone
 
 

@@ -149,15 +149,17 @@ def test_stacked_under_the_greedy_kernel_equal_each_alone(spec):
 
 
 def test_the_plain_functions_are_their_generators_driven_alone():
-    """``Selector.select`` and ``select_exact`` take their generators' arguments (one signature, written once) and
-    return what the generator returns; ``select`` drives the instance's own ``select_steps``, a subclass's override
-    included."""
+    """``Selector.select``, ``select_exact`` and ``select_positions`` take their generators' arguments (one
+    signature, written once) and return what the generator returns; ``select`` drives the instance's own
+    ``select_steps``, a subclass's override included."""
     import inspect
 
+    from cords_vllm.compress.step import select_positions, select_positions_steps
     from cords_vllm.selection.exact import select_exact, select_exact_steps
 
     for plain, steps, returns in ((Selector.select, Selector.select_steps, "SelectionResult"),
-                                  (select_exact, select_exact_steps, "torch.Tensor")):
+                                  (select_exact, select_exact_steps, "torch.Tensor"),
+                                  (select_positions, select_positions_steps, "torch.Tensor")):
         assert list(inspect.signature(plain).parameters) == list(inspect.signature(steps).parameters)
         assert inspect.signature(plain).return_annotation == returns
     assert Selector.select.__qualname__ == "Selector.select" and select_exact.__name__ == "select_exact"
