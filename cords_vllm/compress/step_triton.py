@@ -46,7 +46,7 @@ Joint selection under tensor parallelism (:func:`_gathered_rows`): each rank mak
 all-gather of the units' features (``4 * P * M * 2 * H_local * D`` bytes sent, ``M`` units: less than the PyTorch
 path's gather of the region's keys and values, ``T >= M`` tokens) gives every rank all heads' units, and every rank
 runs the same greedy run; four more launches (the units' copy into the rows the greedy run reads, and their norms
-over all heads), besides the collective's own.
+over all heads; three in the normalized space, whose scaling makes the norms), besides the collective's own.
 
 Not covered (the PyTorch path runs them, with the launches it counts): other policies, caches other than the paged
 views of vLLM's GPU backends, an anchor layer that follows another anchor, and problems past the greedy kernel's
@@ -354,6 +354,16 @@ def _finish_kernel(order, k_in, still_in, count_in, elig_rank, unit_of, unit_sta
             tl.store(nonfinite, tl.load(nonfinite) + tl.load(flag).to(tl.int64))
 
 
+def _unit_tile(valid, p, v_problem, m0, m_units, width, BLOCK_S: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Units ``[m0, m0 + BLOCK_S)`` of problem ``p``, as a tile of one component: the units (``[BLOCK_S]``), which
+    are valid, the elements' offsets from the problem's first unit (``[BLOCK_S, BLOCK_W]``, rows of ``2 * width``)
+    and the mask of the valid units' channels."""
+    m = m0 + tl.arange(0, BLOCK_S)
+    w = tl.arange(0, BLOCK_W)
+    ok = (m < m_units) & (tl.load(valid + p * v_problem + m, mask=m < m_units, other=0) != 0)
+    return m, ok, m[:, None].to(tl.int64) * (2 * width) + w[None, :], ok[:, None] & (w < width)[None, :]
+
+
 def _normalize_kernel(feats, norms, valid, m_units, width, f_problem, n_field, n_problem, v_problem,
                       SCALE: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_W: tl.constexpr):
     """Problem ``p``'s units in the normalized space, in place: its keys and its values each divided by their RMS
@@ -364,8 +374,6 @@ def _normalize_kernel(feats, norms, valid, m_units, width, f_problem, n_field, n
     units, ``BLOCK_S`` at a time: their sums, their spread, the scaled units. Without ``SCALE``, only the last: the
     norms of the units as they are."""
     p = tl.program_id(0).to(tl.int64)
-    w = tl.arange(0, BLOCK_W)
-    in_w = w < width
     row = feats + p * f_problem
     scale_k = 1.0
     scale_v = 1.0
@@ -374,10 +382,7 @@ def _normalize_kernel(feats, norms, valid, m_units, width, f_problem, n_field, n
         sum_v = tl.zeros([BLOCK_W], dtype=tl.float32)
         count = tl.zeros([], dtype=tl.int32)
         for m0 in range(0, m_units, BLOCK_S):
-            m = m0 + tl.arange(0, BLOCK_S)
-            ok = (m < m_units) & (tl.load(valid + p * v_problem + m, mask=m < m_units, other=0) != 0)
-            at = m[:, None].to(tl.int64) * (2 * width) + w[None, :]
-            mask = ok[:, None] & in_w[None, :]
+            m, ok, at, mask = _unit_tile(valid, p, v_problem, m0, m_units, width, BLOCK_S, BLOCK_W)
             sum_k += tl.sum(tl.load(row + at, mask=mask, other=0.0), 0)
             sum_v += tl.sum(tl.load(row + at + width, mask=mask, other=0.0), 0)
             count += tl.sum(ok.to(tl.int32), 0)
@@ -387,10 +392,7 @@ def _normalize_kernel(feats, norms, valid, m_units, width, f_problem, n_field, n
         sq_k = tl.zeros([BLOCK_W], dtype=tl.float32)
         sq_v = tl.zeros([BLOCK_W], dtype=tl.float32)
         for m0 in range(0, m_units, BLOCK_S):
-            m = m0 + tl.arange(0, BLOCK_S)
-            ok = (m < m_units) & (tl.load(valid + p * v_problem + m, mask=m < m_units, other=0) != 0)
-            at = m[:, None].to(tl.int64) * (2 * width) + w[None, :]
-            mask = ok[:, None] & in_w[None, :]
+            m, ok, at, mask = _unit_tile(valid, p, v_problem, m0, m_units, width, BLOCK_S, BLOCK_W)
             dk = tl.where(mask, tl.load(row + at, mask=mask, other=0.0) - mean_k[None, :], 0.0)
             dv = tl.where(mask, tl.load(row + at + width, mask=mask, other=0.0) - mean_v[None, :], 0.0)
             sq_k += tl.sum(dk * dk, 0)
@@ -400,15 +402,12 @@ def _normalize_kernel(feats, norms, valid, m_units, width, f_problem, n_field, n
         scale_k = tl.where(spread_k > 0.0, 1.0 / tl.sqrt_rn(tl.where(spread_k > 0.0, spread_k, 1.0)), 1.0)
         scale_v = tl.where(spread_v > 0.0, 1.0 / tl.sqrt_rn(tl.where(spread_v > 0.0, spread_v, 1.0)), 1.0)
     for m0 in range(0, m_units, BLOCK_S):
-        m = m0 + tl.arange(0, BLOCK_S)
+        m, ok, at, mask = _unit_tile(valid, p, v_problem, m0, m_units, width, BLOCK_S, BLOCK_W)
         inside = m < m_units
-        ok = inside & (tl.load(valid + p * v_problem + m, mask=inside, other=0) != 0)
-        at = m[:, None].to(tl.int64) * (2 * width) + w[None, :]
-        mask = ok[:, None] & in_w[None, :]
         key = tl.where(mask, tl.load(row + at, mask=mask, other=0.0), 0.0) * scale_k
         value = tl.where(mask, tl.load(row + at + width, mask=mask, other=0.0), 0.0) * scale_v
         if SCALE:
-            store = inside[:, None] & in_w[None, :]
+            store = inside[:, None] & (tl.arange(0, BLOCK_W) < width)[None, :]
             tl.store(row + at, key, mask=store)
             tl.store(row + at + width, value, mask=store)
         both = key + value
@@ -434,6 +433,7 @@ def _compiled(interpret: bool, kernel: str = "plan"):
 if triton is not None:  # the units kernel's helpers: jitted (compiled or interpreted alike) when Triton imports
     _e4m3 = triton.jit(_e4m3)
     _e5m2 = triton.jit(_e5m2)
+    _unit_tile = triton.jit(_unit_tile)
 
 
 def not_covered(selector, accessors: Sequence[KVAccessor], caches: Sequence[torch.Tensor],
@@ -606,12 +606,13 @@ def _greedy(rows: _UnitRows, width: int, k_max: int, params: GreedyParams) -> to
     return greedy_from_units(rows.feats, width, kn, vn, seed, rows.valid, rows.k, k_max, params)
 
 
-def _gathered_rows(local: _UnitRows, gather, heads: int, head_size: int, interp: bool
+def _gathered_rows(local: _UnitRows, gather, heads: int, head_size: int, interp: bool, norms: bool = True
                    ) -> SelectionSteps[tuple[_UnitRows, int]]:
     """This rank's units (``local``: its ``heads`` KV heads) with every rank's heads, in the rows the greedy run reads:
     one all-gather of the units' features (``float32 [P, M, 2 * heads * head_size]``, keys then values, in the
     model's head order, as :mod:`~cords_vllm.compress.tensor_parallel` lays them out), their validity and budgets
-    copied, their norms made again over all heads (:func:`_normalize_kernel` without the scaling). Every rank runs
+    copied, their norms made again over all heads (:func:`_normalize_kernel` without the scaling; not with ``norms``
+    false, where the greedy run scales the units and makes their norms anyway). Every rank runs
     the same plan, so all call the collective at the same point with the same shape, and all order the same units.
     Returns the rows and the width of their keys."""
     p_count, m_units, _ = local.feats.shape
@@ -621,7 +622,8 @@ def _gathered_rows(local: _UnitRows, gather, heads: int, head_size: int, interp:
     rows.feats[:, :m_units].view(p_count, m_units, 2, -1, 1, head_size).copy_(full)
     rows.valid[:, :m_units].copy_(local.valid)
     rows.k.copy_(local.k)
-    _normalize(rows.feats, rows.norms, rows.valid, m_units, width, interp, scale=False)
+    if norms:
+        _normalize(rows.feats, rows.norms, rows.valid, m_units, width, interp, scale=False)
     return rows, width
 
 
@@ -752,7 +754,8 @@ def compress_region_fused_steps(caches: Sequence[torch.Tensor], held: Sequence, 
         MODE=mode, PER_HEAD=per_head, SCAN=scan, FP8=fp8, BLOCK_SIZE=block_size,
         BLOCK_F=max(16, triton.next_power_of_2(width)), SCAN_T=SCAN_ROWS)
     if gather is not None:
-        rows, width = yield from _gathered_rows(rows, gather, heads, head_size, interp)
+        rows, width = yield from _gathered_rows(rows, gather, heads, head_size, interp,
+                                                norms=params.space != "normalized")
         k = rows.k
 
     order = yield GreedyOnRows(rows, width, k_max, params)

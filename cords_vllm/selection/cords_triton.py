@@ -18,11 +18,11 @@ Design (one GEMM, then a persistent greedy loop over rows):
    run inside the program: no launch, no host read between steps.
 3. The exact novelty (:func:`_exact_residual`) keeps the squared residuals ``||(I - P_S) x_i||^2`` on chip instead
    of the running cosines, and the orthonormal directions of the selected set in a global buffer (at most ``Dc``
-   per component, ``[P, 2, Dc, Dc]``). A step whose new unit still has a residual orthogonalises its features
-   against the directions so far (``O(n Dc)``) and projects every unit on the new direction (one pass over the
-   units' features, ``O(M Dc)``, whole units at a time, the reference's matvec); a step whose new unit has none
-   (every step once the directions span the space, after at most ``Dc`` of them) costs what a D^2 step costs. No
-   host read: the reference reads its saturation flag back once per step until it saturates.
+   per component, ``[P, C, Dc, Dc]`` for the ``C`` components it reads). A step whose new unit still has a residual
+   orthogonalises its features against the directions so far (``O(n Dc)``) and projects every unit on the new
+   direction (one pass over the units' features, ``O(M Dc)``, whole units at a time, the reference's matvec); a step
+   whose new unit has none (every step once the directions span the space, after at most ``Dc`` of them) costs what
+   a D^2 step costs. No host read: the reference reads its saturation flag back once per step until it saturates.
 
 The arithmetic is the reference's, term for term (:mod:`cords_vllm.selection.cords`'s "Numerics"): the same
 snapping of distances to 0 and of cosines to 1, the same normalisation and the same tie slack. Dot products come
@@ -117,7 +117,8 @@ def _greedy_kernel(gk_ptr, gv_ptr, kn_ptr, vn_ptr, seed_ptr, valid_ptr, k_ptr, o
 
     ``EXACT``: the novelty is the exact residual (:func:`_exact_residual`, reading the units' features
     ``feats[p]``, ``f_unit`` apart, keys at 0 and values at ``value_off``, each ``comp_dim`` wide; the directions in
-    ``basis[p]``, ``[2, b_rows, comp_dim]``; the projections in ``proj[p]``, ``[m_units]``), else the max-cosine
+    ``basis[p]``, ``[C, b_rows, comp_dim]`` for the ``C`` components the novelty reads, keys first; the projections
+    in ``proj[p]``, ``[m_units]``), else the max-cosine
     surrogate (from the Gram rows)."""
     p = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -152,8 +153,12 @@ def _greedy_kernel(gk_ptr, gv_ptr, kn_ptr, vn_ptr, seed_ptr, valid_ptr, k_ptr, o
         dirs_k = tl.zeros([], dtype=tl.int32)
         dirs_v = tl.zeros([], dtype=tl.int32)
         f_row = p * f_problem
-        b_key = p * (2 * b_rows * comp_dim)
-        b_value = b_key + b_rows * comp_dim
+        b_key = p * (b_rows * comp_dim)  # a block of directions per component the novelty reads, keys first
+        if USE_KO and USE_VO:
+            b_key = 2 * b_key
+        b_value = b_key
+        if USE_KO:
+            b_value = b_key + b_rows * comp_dim
     for t in range(0, k_max):
         tl.store(out_ptr + p * k_max + t, tl.where(t < k_p, j, -1).to(tl.int64))
         j = tl.minimum(j, m_units - 1)  # a problem past its k[p] may have no pool left: stay in bounds
@@ -343,14 +348,15 @@ def greedy_from_units(feats: torch.Tensor, key_dim: int, kn: torch.Tensor, vn: t
     seed = seed if terms.use_kd and terms.use_vd else (kn if terms.use_kd else vn)
     out = torch.empty((p_count, k_max), dtype=torch.long, device=feats.device)
     tol = snap_tolerance(feats.dtype)
-    # The exact novelty's directions, [P, 2, b_rows, Dc] (at most Dc per component: they are orthonormal), and every
-    # unit's projection on the newest, [P, M].
+    # The exact novelty's directions, [P, C, b_rows, Dc] for the C components it reads (at most Dc per component:
+    # they are orthonormal), and every unit's projection on the newest, [P, M].
     comp_dim = key_dim if terms.use_ko or not terms.use_vo else f_dim - key_dim
     b_rows = min(k_max, comp_dim)
     if terms.exact:
         feats = feats if feats.stride(-1) == 1 else feats.contiguous()
-        scratch = torch.empty(p_count * (2 * b_rows * comp_dim + m_units), dtype=torch.float32, device=feats.device)
-        basis, proj = scratch[: p_count * 2 * b_rows * comp_dim], scratch[p_count * 2 * b_rows * comp_dim:]
+        n_basis = p_count * (terms.use_ko + terms.use_vo) * b_rows * comp_dim
+        scratch = torch.empty(n_basis + p_count * m_units, dtype=torch.float32, device=feats.device)
+        basis, proj = scratch[:n_basis], scratch[n_basis:]
     else:
         basis = proj = empty
     _compiled(interpreting())[(p_count,)](

@@ -64,16 +64,16 @@ def _batch(blocks: torch.Tensor, granularity: str) -> RegionBatch:
 
 
 def _compress(caches: list[torch.Tensor], granularity: str, per_head: bool, gather=None, kernels: str = "auto",
-              policy: str = "cords"):
+              policy: str = "cords", **params):
     blocks = torch.arange(3, 3 + (TEXT + FRAMES * FRAME) // BS)
-    setup = SelectionSetup(get_selector(policy), granularity, per_head, (0, 0, 2), gather_heads=gather,
+    setup = SelectionSetup(get_selector(policy, **params), granularity, per_head, (0, 0, 2), gather_heads=gather,
                            kernels=kernels)
     accessor = PagedAccessor.of(caches[0], D)
     return compress_region(caches, [accessor] * LAYERS, [None] * LAYERS, _batch(blocks, granularity), setup)
 
 
 def _tp(full: list[torch.Tensor], world: int, granularity: str, per_head: bool, exchange: bool = True,
-        kernels: str = "auto", policy: str = "cords"):
+        kernels: str = "auto", policy: str = "cords", **params):
     """Each simulated rank's caches and held tokens after compressing its shard of ``full``."""
     heads = full[0].shape[1]
     group = ThreadGroup(world)
@@ -81,7 +81,7 @@ def _tp(full: list[torch.Tensor], world: int, granularity: str, per_head: bool, 
 
     def rank(r: int):
         gather = head_gatherer(group.all_gather_of(r), world, heads) if exchange and not per_head else None
-        return _compress(shards[r], granularity, per_head, gather, kernels, policy)
+        return _compress(shards[r], granularity, per_head, gather, kernels, policy, **params)
 
     with ThreadPoolExecutor(world) as pool:
         held = list(pool.map(rank, range(world)))
@@ -144,12 +144,13 @@ class _OneKernelAtATime:
         return locked
 
 
-@pytest.mark.parametrize(("granularity", "heads", "world", "policy"), [
-    ("token", 4, 2, "cords"), ("frame", 2, 4, "k_only"), ("block", 1, 2, "cords")])
-def test_the_fused_step_gathers_every_ranks_units(monkeypatch, granularity, heads, world, policy):
+@pytest.mark.parametrize(("granularity", "heads", "world", "policy", "params"), [
+    ("token", 4, 2, "cords", {}), ("frame", 2, 4, "k_only", {}), ("block", 2, 2, "cords", {"space": "normalized"})])
+def test_the_fused_step_gathers_every_ranks_units(monkeypatch, granularity, heads, world, policy, params):
     """Joint selection on the fused kernel path (on CPU under Triton's interpreter): each rank makes its heads' units,
     one all-gather gives every rank all heads' units, and every rank keeps what one rank with all heads keeps on the
-    PyTorch path, bit for bit, caches included."""
+    PyTorch path, bit for bit, caches included (in the normalized space too, where the greedy run's scaling makes the
+    gathered units' norms, with keys at 30x the values' scale so that the scaling decides)."""
     import cords_vllm.compress.copy_triton as copy_triton
     import cords_vllm.compress.step_triton as step_triton
     import cords_vllm.selection.cords_triton as cords_triton
@@ -168,10 +169,14 @@ def test_the_fused_step_gathers_every_ranks_units(monkeypatch, granularity, head
 
     monkeypatch.setattr(step_triton, "_gathered_rows", spy)
     g = torch.Generator().manual_seed(11)
-    full = [torch.randn(BLOCKS, heads, BS, 2 * D, generator=g).bfloat16() for _ in range(LAYERS)]
+    full = [torch.randn(BLOCKS, heads, BS, 2 * D, generator=g) for _ in range(LAYERS)]
+    if params.get("space") == "normalized":
+        for c in full:
+            c[..., :D] *= 30.0
+    full = [c.bfloat16() for c in full]
     one = [c.clone() for c in full]
-    held_one = _compress(one, granularity, False, kernels="torch", policy=policy)
-    shards, held, calls = _tp(full, world, granularity, False, kernels="triton", policy=policy)
+    held_one = _compress(one, granularity, False, kernels="torch", policy=policy, **params)
+    shards, held, calls = _tp(full, world, granularity, False, kernels="triton", policy=policy, **params)
     assert len(fused) == world and calls == 1  # every rank on the fused step; one collective
     for r in range(world):
         index = _heads_of(r, heads, world)
