@@ -10,7 +10,7 @@ granularity and anchor set, with each implementation (``--kernels``). Per row:
 * ``GPU ms``: the time between CUDA events around it (the device waits for the host's launches too);
   ``busy ms``: what the device's kernels and copies took, added up (profiler);
 * ``launches``: CUDA kernels and copies the device ran (profiler), ``syncs``: host synchronisations
-  (``torch.cuda.set_sync_debug_mode``);
+  (``torch.cuda.set_sync_debug_mode``); a second table splits the kernel rows' busy time by kernel (profiler);
 * ``x floor``: wall time over the copy floor, the region read and the kept tokens written once in every layer at
   the copy bandwidth measured in the same run; ``x torch``: the PyTorch path's wall time over this row's;
 * ``same ids``: every layer keeps exactly the tokens the PyTorch path keeps;
@@ -80,6 +80,7 @@ class Row:
     path: str = ""
     same_ids: bool | None = None
     x_torch: float | None = None
+    busy_by_kernel: dict[str, float] | None = None  # device ms per kernel, largest first (CUDA only)
     notes: list[str] = field(default_factory=list)
 
 
@@ -157,10 +158,33 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * 4 * n / min(times)
 
 
-def count_launches_and_syncs(run, device: torch.device) -> tuple[int | None, int | None, float | None]:
-    """Kernels and copies the device ran, host synchronisations, and the device's busy time (ms) of one ``run``."""
+def kernel_name(name: str) -> str:
+    """A device event's name, short: a Triton kernel's function name as it is, a CUDA C++ kernel's unqualified name
+    without its template arguments or signature (``void at::native::f<...>(...)`` -> ``f``)."""
+    name = name.removeprefix("void ").split("<", 1)[0].split("(", 1)[0].strip()
+    return name.rsplit("::", 1)[-1] or name
+
+
+def busy_by_kernel(events: list[tuple[str, float]], top: int = 6) -> dict[str, float]:
+    """Device milliseconds per kernel name (:func:`kernel_name`), largest first, from ``(name, microseconds)``
+    events: the ``top`` largest, the rest added up as ``"other"``."""
+    totals: dict[str, float] = {}
+    for name, us in events:
+        key = kernel_name(name)
+        totals[key] = totals.get(key, 0.0) + us / 1e3
+    ranked = sorted(totals.items(), key=lambda item: -item[1])
+    out = dict(ranked[:top])
+    if len(ranked) > top:
+        out["other"] = sum(ms for _, ms in ranked[top:])
+    return out
+
+
+def count_launches_and_syncs(run, device: torch.device
+                             ) -> tuple[int | None, int | None, float | None, dict[str, float] | None]:
+    """Kernels and copies the device ran, host synchronisations, the device's busy time (ms) of one ``run``, and that
+    time by kernel (:func:`busy_by_kernel`)."""
     if device.type != "cuda":
-        return None, None, None
+        return None, None, None, None
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -169,6 +193,7 @@ def count_launches_and_syncs(run, device: torch.device) -> tuple[int | None, int
     device_events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     launches = len(device_events)
     busy_ms = sum(e.time_range.elapsed_us() for e in device_events) / 1e3
+    by_kernel = busy_by_kernel([(e.name, e.time_range.elapsed_us()) for e in device_events])
     synchronize(device)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -179,7 +204,7 @@ def count_launches_and_syncs(run, device: torch.device) -> tuple[int | None, int
             torch.cuda.set_sync_debug_mode("default")
     synchronize(device)
     syncs = sum("synchronizing" in str(w.message) for w in caught)
-    return launches, syncs, busy_ms
+    return launches, syncs, busy_ms, by_kernel
 
 
 def measure(case: Case, kernels: str, device: torch.device, dtype: torch.dtype, repeats: int, bandwidth: float
@@ -221,10 +246,13 @@ def measure(case: Case, kernels: str, device: torch.device, dtype: torch.dtype, 
         synchronize(device)
         run()
 
-    launches, syncs, busy_ms = count_launches_and_syncs(restore_then_run, device)
+    launches, syncs, busy_ms, by_kernel = count_launches_and_syncs(restore_then_run, device)
     if launches is not None:  # the restore's copies are not the compression's
-        restore_ms = (count_launches_and_syncs(restore, device)[2] or 0.0)
-        launches, busy_ms = launches - shape.layers, busy_ms - restore_ms
+        _, _, restore_ms, restore_by_kernel = count_launches_and_syncs(restore, device)
+        launches, busy_ms = launches - shape.layers, busy_ms - (restore_ms or 0.0)
+        for name, ms in (restore_by_kernel or {}).items():
+            if name in by_kernel:
+                by_kernel[name] = max(0.0, by_kernel[name] - ms)
     element = caches[0].element_size()
     floor_bytes = shape.layers * (shape.held + shape.kept) * shape.heads * 2 * shape.head_size * element
     with kernels_in_force(kernels):
@@ -233,7 +261,7 @@ def measure(case: Case, kernels: str, device: torch.device, dtype: torch.dtype, 
     row = Row(case=case.name, kernels=kernels, held=shape.held, kept=shape.kept, path=path,
               wall_ms=statistics.median(walls), wall_min_ms=min(walls),
               gpu_ms=statistics.median(gpus) if gpus else None, busy_ms=busy_ms, launches=launches, syncs=syncs,
-              floor_ms=1e3 * floor_bytes / bandwidth)
+              floor_ms=1e3 * floor_bytes / bandwidth, busy_by_kernel=by_kernel)
     return row, ids
 
 
@@ -281,6 +309,11 @@ def markdown(rows: list[Row], checks: list[tuple[str, bool | None, str]], header
                      f"{fmt(r.launches, 'd')} | "
                      f"{fmt(r.syncs, 'd')} | {r.wall_ms / r.floor_ms:.0f} | {fmt(r.x_torch, '.1f')} | "
                      f"{'-' if r.same_ids is None else ('yes' if r.same_ids else 'NO')} |")
+    split = [r for r in rows if r.kernels == "triton" and r.busy_by_kernel]
+    if split:  # where the kernel rows' device time goes: what to fuse or tune next
+        lines += ["", "| case (triton) | device ms by kernel, largest first |", "|---|---|"]
+        lines += [f"| {r.case} | " + ", ".join(f"{name} {ms:.3f}" for name, ms in r.busy_by_kernel.items()) + " |"
+                  for r in split]
     if checks:
         lines += ["", "| target | result | measured |", "|---|---|---|"]
         lines += [f"| {t} | {'PASS' if ok else 'MISS'} | {m} |" for t, ok, m in checks]

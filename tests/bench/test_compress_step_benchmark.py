@@ -35,3 +35,19 @@ def test_the_benchmark_compares_both_implementations_on_every_case(tmp_path: Pat
         assert result["targets"] == []  # the targets are a GPU's; none is claimed on CPU
     assert "| frame, anchors [0] | triton | fused step |" in (tmp_path / "compress_step.md").read_text()
     assert "same ids True" in capsys.readouterr().out
+
+
+def test_the_device_time_is_split_by_kernel_largest_first() -> None:
+    """The split a GPU run prints under its table: Triton kernels by name, CUDA C++ kernels by unqualified name,
+    repeats added up, the smallest beyond the top folded into "other"."""
+    module = load_benchmark("compress_step")
+    assert module.kernel_name("_greedy_kernel") == "_greedy_kernel"
+    assert module.kernel_name("void at::native::elementwise_kernel<128, 4>(int, at::native::F)") == (
+        "elementwise_kernel")
+    assert module.kernel_name("Memcpy DtoD (Device -> Device)") == "Memcpy DtoD"
+    events = [("_plan_kernel", 20.0), ("_greedy_kernel", 900.0), ("void cutlass::Kernel2<gemm>(Params)", 300.0),
+              ("_plan_kernel", 10.0), ("_copy_kernel", 40.0)]
+    assert module.busy_by_kernel(events) == {"_greedy_kernel": 0.9, "Kernel2": 0.3, "_copy_kernel": 0.04,
+                                             "_plan_kernel": 0.03}
+    assert module.busy_by_kernel(events, top=2) == {"_greedy_kernel": 0.9, "Kernel2": 0.3,
+                                                    "other": pytest.approx(0.07)}
