@@ -27,7 +27,7 @@ from cords_vllm.lab.vqa import shipped_checkpoint
 
 pytestmark = pytest.mark.server
 
-MAX_MODEL_LEN, BLOCK = 1024, 32
+MAX_MODEL_LEN, SHORT_MAX_MODEL_LEN, BLOCK = 1024, 512, 32
 CORDS_CONFIG = json.dumps({"budget": 128, "recent": 32, "slack": 32, "max_text_tokens": 256})
 COMMON = ["--dtype", "float32", "--enforce-eager", "--block-size", str(BLOCK), "--max-model-len", str(MAX_MODEL_LEN),
           "--limit-mm-per-prompt", '{"image": 0, "video": 1}', "--kv-stream-max-open", "4"]
@@ -37,19 +37,25 @@ POLICIES = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(POLICIES))
-def server(request):
-    with VLLMServer(shipped_checkpoint(), [*POLICIES[request.param], *COMMON]) as srv:
-        srv.policy = request.param
+@pytest.fixture(scope="module")
+def short_range_server(short_range_model):
+    """``cords`` on the tiny model whose rotary range is 1,024 positions, at --max-model-len 512."""
+    args = [*POLICIES["cords"], *COMMON[:COMMON.index("--max-model-len")], "--max-model-len", str(SHORT_MAX_MODEL_LEN),
+            *COMMON[COMMON.index("--max-model-len") + 2:]]
+    with VLLMServer(short_range_model, args) as srv:
+        srv.policy, srv.max_model_len = "cords", SHORT_MAX_MODEL_LEN
         yield srv
 
 
-@pytest.fixture(scope="module")
-def short_range_server(short_range_model):
-    args = ["--kv-policy", "cords", "--kv-policy-config", CORDS_CONFIG, "--kv-cache-memory-bytes", str(24 << 20),
-            *COMMON[:COMMON.index("--max-model-len")], "--max-model-len", "512",
-            *COMMON[COMMON.index("--max-model-len") + 2:]]
-    with VLLMServer(short_range_model, args) as srv:
+@pytest.fixture(scope="module", params=sorted(POLICIES))
+def server(request):
+    """A server per policy: ``cords`` is the rotary-range test's server (one server start fewer; its streams pass
+    --max-model-len in tokens long before their positions reach the range), ``none`` the shipped checkpoint."""
+    if request.param == "cords":
+        yield request.getfixturevalue("short_range_server")
+        return
+    with VLLMServer(shipped_checkpoint(), [*POLICIES[request.param], *COMMON]) as srv:
+        srv.policy, srv.max_model_len = request.param, MAX_MODEL_LEN
         yield srv
 
 
@@ -100,28 +106,28 @@ def test_a_stream_ends_alone_at_its_limit_and_the_others_keep_serving(server):
     client = StreamClient(server.base_url, timeout=120)
     other = client.open()
     other.append(clip(seed=100))
+    limit = server.max_model_len
     with client.open() as stream:
-        _refused_too_long(stream)
+        _refused_too_long(stream, limit)
         if server.policy == "none":  # about 66 tokens a clip: past the limit well before the end
-            _expect_ended(stream, _push_until_ended(stream, MAX_MODEL_LEN // 64 + 2), "--max-model-len",
-                          str(MAX_MODEL_LEN))
+            _expect_ended(stream, _push_until_ended(stream, limit // 64 + 2), "--max-model-len", str(limit))
         else:
-            assert _push_until_ended(stream, 2 * MAX_MODEL_LEN // 64) is None  # 2x --max-model-len in tokens
+            assert _push_until_ended(stream, 2 * limit // 64) is None  # 2x --max-model-len in tokens
             assert isinstance(stream.ask("What color was the square?", max_tokens=2), str)
-            _refused_too_long(stream)
+            _refused_too_long(stream, limit)
             assert _push_until_ended(stream, 2) is None
     _others_keep_serving(client, other, server)
 
 
-def _refused_too_long(stream) -> None:
-    """One push of 2,048 video tokens, longer than --max-model-len on its own: refused with a 413 naming the
-    limit and the clip's tokens before the engine sees it; the stream is unchanged and keeps serving."""
+def _refused_too_long(stream, limit: int) -> None:
+    """One push of 2,048 video tokens, longer than --max-model-len (``limit``) on its own: refused with a 413 naming
+    the limit and the clip's tokens before the engine sees it; the stream is unchanged and keeps serving."""
     before = stream.refresh()
     long_clip = make_video(64, 224, 224, seed=7).frames
     with pytest.raises(StreamAPIError) as err:
         stream.append(long_clip)
     assert err.value.status == 413, err.value
-    assert "--max-model-len" in err.value.message and str(MAX_MODEL_LEN) in err.value.message
+    assert "--max-model-len" in err.value.message and str(limit) in err.value.message
     assert "2048 video tokens" in err.value.message
     after = stream.refresh()
     unchanged = ("frames", "clips", "questions", "pending_frames", "text_tokens")
