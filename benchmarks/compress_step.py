@@ -46,7 +46,7 @@ from cords_vllm.compress.step import RegionBatch, SelectionSetup, compress_regio
 from cords_vllm.compress.unit_choice import AUTO, compression_unit
 from cords_vllm.kernel_backend import kernels_in_force, use_triton
 from cords_vllm.lab.bench.region_shape import RegionShape
-from cords_vllm.selection import get_selector
+from cords_vllm.selection import cords_triton, get_selector
 
 #: The issue's targets on an H100-class GPU: wall ms per compression at the default shape.
 TARGET_MS = {"frame": 1.0, "block": 2.0, "token": 15.0}
@@ -265,6 +265,58 @@ def measure(case: Case, kernels: str, device: torch.device, dtype: torch.dtype, 
     return row, ids
 
 
+#: Warps tried per kernel by ``--sweep-warps``: the plan and finish programs (which hold a region's rows) and the
+#: greedy run (which holds a problem's units); the module function each setting replaces.
+SWEEPS = {"plan + finish": (step_triton, "_row_warps", (4, 8, 16, 32)),
+          "greedy": (cords_triton, "_warps", (4, 8, 16, 32))}
+#: The cases ``--sweep-warps`` times: one anchor at each unit.
+SWEEP_CASES = ("frame, anchors [0]", "block, anchors [0]", "token, anchors [0]")
+
+
+def sweep_warps(chosen: list[Case], device: torch.device, dtype: torch.dtype, repeats: int, bandwidth: float,
+                reference: dict[str, list[torch.Tensor]]) -> list[dict]:
+    """The fused step's wall time with each kernel's warps forced to each of :data:`SWEEPS`'s settings in turn (the
+    others as chosen), per case; whether the setting kept the same ids (it must: the kernels' reductions are maxima,
+    minima and integer sums, exact in any order); and which setting the module's rule picks today."""
+    out = []
+    for case in chosen:
+        for kernel, (module, name, options) in SWEEPS.items():
+            rule = getattr(module, name)
+            for warps in options:
+                picked = []  # what the rule would have picked, seen as the kernel launches
+
+                def forced(block: int, w: int = warps, rule=rule, picked=picked) -> int:
+                    picked.append(rule(block))
+                    return w
+                setattr(module, name, forced)
+                try:
+                    row, ids = measure(case, "triton", device, dtype, repeats, bandwidth)
+                finally:
+                    setattr(module, name, rule)
+                today = warps in picked[:1]
+                same = None if case.name not in reference else all(
+                    torch.equal(a, b) for a, b in zip(reference[case.name], ids, strict=True))
+                out.append({"case": case.name, "kernel": kernel, "warps": warps, "wall_ms": row.wall_ms,
+                            "busy_ms": row.busy_ms, "today": today, "same_ids": same})
+                print(f"{case.name:32s} {kernel:14s} warps {warps:2d}  wall {row.wall_ms:9.2f} ms  "
+                      f"same ids {same}", flush=True)
+    return out
+
+
+def sweep_markdown(sweep: list[dict]) -> str:
+    """One row per case and kernel: the wall ms at each setting, today's rule's in bold."""
+    lines = ["| case | kernel | " + " | ".join(f"{w} warps" for w in SWEEPS["greedy"][2]) + " | same ids |",
+             "|---|---|" + "---|" * (len(SWEEPS["greedy"][2]) + 1)]
+    keys = dict.fromkeys((r["case"], r["kernel"]) for r in sweep)
+    for case, kernel in keys:
+        cells = {r["warps"]: r for r in sweep if (r["case"], r["kernel"]) == (case, kernel)}
+        text = [("**{:.2f}**" if cells[w]["today"] else "{:.2f}").format(cells[w]["wall_ms"]) if w in cells else "-"
+                for w in SWEEPS[kernel][2]]
+        same = [r["same_ids"] for r in cells.values() if r["same_ids"] is not None]
+        lines.append(f"| {case} | {kernel} | " + " | ".join(text) + f" | {'-' if not same else all(same)} |")
+    return "\n".join(lines) + "\n"
+
+
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return f"{torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}, torch {torch.__version__}"
@@ -328,6 +380,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="a small shape (a smoke run)")
     p.add_argument("--only", default=None, help="run the cases whose name contains this text")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/compress_step"))
+    p.add_argument("--sweep-warps", action="store_true",
+                   help="then time the fused step at each warps setting of its row and greedy kernels (frame, block "
+                        "and token at one anchor): the data to tune them on a GPU")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     dtype = torch.bfloat16
@@ -336,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
               "python": sys.version.split()[0]}
     print(f"# compress step on {header['device']}; copy {bandwidth / 1e9:.0f} GB/s", flush=True)
     rows: list[Row] = []
+    kept: dict[str, list[torch.Tensor]] = {}  # the PyTorch path's kept ids per case
     for case in cases(args.quick):
         if args.only and args.only not in case.name:
             continue
@@ -346,6 +402,7 @@ def main(argv: list[str] | None = None) -> int:
             row, ids = measure(case, kernels, device, dtype, repeats, bandwidth)
             if kernels == "torch":
                 reference = (row, ids)
+                kept[case.name] = ids
             elif reference is not None:
                 row.same_ids = all(torch.equal(a, b) for a, b in zip(reference[1], ids, strict=True))
                 row.x_torch = reference[0].wall_ms / row.wall_ms
@@ -353,14 +410,22 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{case.name:32s} {kernels:6s} wall {row.wall_ms:9.2f} ms  GPU {row.gpu_ms or 0:8.2f} ms  "
                   f"launches {row.launches}  syncs {row.syncs}  same ids {row.same_ids}", flush=True)
     checks = targets(rows) if device.type == "cuda" else []
+    sweep = []
+    if args.sweep_warps:
+        chosen = [c for c in cases(args.quick) if c.name in SWEEP_CASES and (not args.only or args.only in c.name)]
+        sweep = sweep_warps(chosen, device, dtype, args.repeats or 10, bandwidth, kept)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "compress_step.json").write_text(json.dumps(
         {"header": header, "rows": [asdict(r) for r in rows],
-         "targets": [{"target": t, "met": ok, "measured": m} for t, ok, m in checks]}, indent=2) + "\n")
+         "targets": [{"target": t, "met": ok, "measured": m} for t, ok, m in checks], "warps": sweep},
+        indent=2) + "\n")
     table = markdown(rows, checks, header)
+    if sweep:
+        table += "\nWall ms of the fused step by warps (today's rule in bold):\n\n" + sweep_markdown(sweep)
     (args.out / "compress_step.md").write_text(table)
     print(table)
-    return 0 if all(r.same_ids is not False for r in rows) else 1
+    same = [r.same_ids for r in rows] + [r["same_ids"] for r in sweep]
+    return 0 if all(x is not False for x in same) else 1
 
 
 if __name__ == "__main__":

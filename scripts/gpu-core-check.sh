@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The compress step's GPU check where only torch and Triton are installed (no vLLM, no network, nothing to install).
 #
-#   bash scripts/gpu-core-check.sh [--out DIR]      # default DIR: gpu-core-check-out/
+#   bash scripts/gpu-core-check.sh [--out DIR] [--sweep-warps]      # default DIR: gpu-core-check-out/
 #
 # 1. pytest on the pure core (tests/compress, tests/selection, tests/metrics): with a GPU the CUDA-gated tests run,
 #    and the Triton kernels run compiled on CUDA tensors against the PyTorch path; tests that need vLLM skip, saying so.
@@ -11,15 +11,20 @@
 # 3. benchmarks/step_together.py: a step of 1, 2, 4 and 8 compressions at a 7B model's shape, together (one greedy
 #    run for the step on the fused path) against one after another, per implementation, at token granularity (where
 #    the greedy run is the cost) and at the default unit.
+# 4. with --sweep-warps, last: the fused step's wall time at 4, 8, 16 and 32 warps of its row kernels (plan, finish)
+#    and of its greedy kernel, frame, block and token at one anchor (a few minutes more: each setting compiles),
+#    today's rule in bold: the data to tune them.
 # One summary at the end; exit 1 when a test failed or a kernel kept other tokens than the PyTorch path.
 # scripts/gpu-check.sh (the whole engine on a GPU) runs the same tests and benchmark among its steps.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=gpu-core-check-out
+SWEEP=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) OUT=$2; shift 2 ;;
-    -h|--help) sed -n 2,15p "$0"; exit 0 ;;
+    --sweep-warps) SWEEP=1; shift ;;
+    -h|--help) sed -n 2,18p "$0"; exit 0 ;;
     *) echo "unknown argument: $1" >&2; exit 2 ;;
   esac
 done
@@ -41,6 +46,11 @@ for unit in token auto; do
   "$PY" benchmarks/step_together.py --granularity "$unit" --out "$OUT/step_together_$unit" \
     > "$OUT/step_together_$unit.log" 2>&1 || together=1
 done
+sweep=0
+if [ "$SWEEP" -eq 1 ]; then
+  "$PY" benchmarks/compress_step.py --kernels torch triton --sweep-warps --only "anchors [0]" --out "$OUT/warps" \
+    > "$OUT/warps.log" 2>&1 || sweep=1
+fi
 
 echo
 echo "## cords-vllm GPU core check ($(( $(date +%s) - start )) s)"
@@ -49,5 +59,9 @@ echo "benchmark (exit $bench):"
 if [ -f "$OUT/compress_step.md" ]; then cat "$OUT/compress_step.md"; else tail -20 "$OUT/compress_step.log"; fi
 echo "a step's compressions together (exit $together):"
 for unit in token auto; do tail -8 "$OUT/step_together_$unit.log"; done
+if [ "$SWEEP" -eq 1 ]; then
+  echo "warps (exit $sweep):"
+  sed -n '/by warps/,$p' "$OUT/warps/compress_step.md" 2>/dev/null || tail -20 "$OUT/warps.log"
+fi
 echo "logs: $OUT/"
-[ "$tests" -eq 0 ] && [ "$bench" -eq 0 ] && [ "$together" -eq 0 ]
+[ "$tests" -eq 0 ] && [ "$bench" -eq 0 ] && [ "$together" -eq 0 ] && [ "$sweep" -eq 0 ]

@@ -51,3 +51,21 @@ def test_the_device_time_is_split_by_kernel_largest_first() -> None:
                                              "_plan_kernel": 0.03}
     assert module.busy_by_kernel(events, top=2) == {"_greedy_kernel": 0.9, "Kernel2": 0.3,
                                                     "other": pytest.approx(0.07)}
+
+
+def test_the_warps_sweep_times_each_setting_and_keeps_the_ids(tmp_path: Path) -> None:
+    """``--sweep-warps``, the data to tune the row and greedy kernels' warps on a GPU: every setting of each kernel
+    runs (the interpreter ignores warps, so only the plumbing is checked here), keeps the PyTorch path's ids, and
+    today's rule is marked at exactly one setting per kernel."""
+    module = load_benchmark("compress_step")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    assert module.main(["--quick", "--device", device, "--repeats", "1", "--only", "frame, anchors [0]",
+                        "--sweep-warps", "--out", str(tmp_path)]) == 0
+    sweep = json.loads((tmp_path / "compress_step.json").read_text())["warps"]
+    assert {(r["kernel"], r["warps"]) for r in sweep} == {
+        (kernel, w) for kernel, (_, _, options) in module.SWEEPS.items() for w in options}
+    assert all(r["same_ids"] is True and r["wall_ms"] > 0 for r in sweep)
+    for kernel in module.SWEEPS:
+        assert sum(r["today"] for r in sweep if r["kernel"] == kernel) == 1
+    assert "| frame, anchors [0] | greedy |" in (tmp_path / "compress_step.md").read_text()
+    assert [getattr(m, name).__name__ for m, name, _ in module.SWEEPS.values()] == ["_row_warps", "_warps"]  # put back
