@@ -40,6 +40,10 @@ except ImportError:
 #: Rows per tile, channel bytes per program and warps per program of the copy: the fastest of eight settings on an
 #: H100 at a 7B model's shape (0.47-0.57 ms against 0.84-29 ms, ``benchmarks/compress_step.py``'s copy).
 TILE_ROWS, CHUNK_BYTES, WARPS = 256, 256, 8
+#: The copy's arguments Triton must not specialize, so that a compression of another size compiles nothing: the kept
+#: count and the kept positions' strides (which Triton would otherwise compile a variant for at the value 1 and at
+#: multiples of 16) and the positions and slots, which may be views at varying offsets (alignment).
+NOT_SPECIALIZED = (("num_keep", "pos_s_anchor", "pos_s_head"), ("pos_ptr", "src_ptr", "dst_ptr"))
 #: Integer dtype of each element width: the kernel moves raw elements.
 _RAW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -82,7 +86,9 @@ def _copy_kernel(base_ptr, offsets_ptr, rows_ptr, pos_ptr, src_ptr, dst_ptr,
 
 @functools.cache
 def _compiled(interpret: bool):
-    return triton.jit(_copy_kernel)
+    """The copy, jitted on first use, with the arguments of :data:`NOT_SPECIALIZED` left unspecialized."""
+    sizes, pointers = NOT_SPECIALIZED
+    return triton.jit(_copy_kernel, do_not_specialize=sizes, do_not_specialize_on_alignment=pointers)
 
 
 @functools.cache

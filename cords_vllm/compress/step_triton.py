@@ -423,11 +423,40 @@ def _row_warps(block_t: int) -> int:
     return min(16, max(4, block_t // (32 * 64)))
 
 
+#: Per kernel, the arguments Triton must not specialize, so that a compression of another size compiles nothing:
+#: integers that change from one compression to the next (region and unit counts, budgets, strides of tensors sized
+#: by them), which Triton would otherwise compile a variant for at the value 1 and at multiples of 16, and pointers
+#: to views whose offsets vary (rows of a step's shared buffers, slices of the engine's tensors), whose 16-byte
+#: alignment it would specialize on. What an engine keeps constant (the caches' strides and base, head counts and
+#: widths, the policy's settings) stays specialized, and the units' rows are padded to a multiple of 16
+#: (:data:`UNIT_ROWS`), so the greedy kernel's Gram rows stay aligned. ``tests/compress/test_kernel_variants.py``
+#: computes Triton's own specialization of every launch over compressions of many sizes: one variant per kernel.
+NOT_SPECIALIZED = {
+    "plan": (("hs_a", "hs_h", "n_spans", "n_prev", "n_tok", "need"),
+             ("held_ids", "held_video", "held_labels", "new_ids", "new_labels", "spans", "region_ids",
+              "region_video", "region_labels", "elig_rank", "unit_of", "row_of_rank", "unit_start", "unit_size",
+              "protect", "count_out", "still_out", "stats", "flag")),
+    "units": (("n_tok", "frame_budget", "k_fixed"),
+              ("src_slots", "row_of_rank", "unit_start", "unit_size", "count_in", "kn_out", "vn_out", "seed_out",
+               "valid_out", "k_out", "flag")),
+    "finish": (("n_tok", "m_units", "k_max", "k_stride", "num_keep"),
+               ("order", "k_in", "still_in", "count_in", "elig_rank", "unit_of", "unit_start", "unit_size", "protect",
+                "region_ids", "region_video", "region_labels", "kept_count", "positions", "out_ids", "out_video",
+                "out_labels", "flag", "nonfinite")),
+    "normalize": (("f_problem", "n_field", "n_problem", "v_problem"), ("feats", "norms", "valid")),
+}
+#: The units' rows are padded with invalid units to a multiple of this (a step's compressions share them anyway).
+UNIT_ROWS = 16
+
+
 @functools.cache
 def _compiled(interpret: bool, kernel: str = "plan"):
-    """Each kernel, jitted on first use (under the interpreter when ``TRITON_INTERPRET=1`` at that time)."""
+    """Each kernel, jitted on first use (under the interpreter when ``TRITON_INTERPRET=1`` at that time), with the
+    arguments of :data:`NOT_SPECIALIZED` left unspecialized."""
+    sizes, pointers = NOT_SPECIALIZED[kernel]
     return triton.jit({"plan": _plan_kernel, "units": _units_kernel, "finish": _finish_kernel,
-                       "normalize": _normalize_kernel}[kernel])
+                       "normalize": _normalize_kernel}[kernel],
+                      do_not_specialize=sizes, do_not_specialize_on_alignment=pointers)
 
 
 if triton is not None:  # the units kernel's helpers: jitted (compiled or interpreted alike) when Triton imports
@@ -733,7 +762,8 @@ def compress_region_fused_steps(caches: Sequence[torch.Tensor], held: Sequence, 
 
     params = setup.selector.greedy_params()
     gather = None if per_head else setup.gather_heads
-    to_make = UnitRowsToMake(device, n_prob, max(m_units, 1), width)
+    unit_rows = cdiv(max(m_units, 1), UNIT_ROWS) * UNIT_ROWS  # the units' rows, padded with invalid units
+    to_make = UnitRowsToMake(device, n_prob, unit_rows, width)
     # Under tensor parallelism (joint selection) this rank's units are made alone, then gathered with the other
     # ranks' heads into the rows the greedy run reads; otherwise made in those rows.
     rows = (yield to_make) if gather is None else to_make.run()
@@ -746,10 +776,10 @@ def compress_region_fused_steps(caches: Sequence[torch.Tensor], held: Sequence, 
     scan_programs = cdiv(n_tok, SCAN_ROWS) if scan else 0
     fp8 = _fp8_mode(codecs, anchors)
     scales = _scales(codecs, anchors, heads, device) if fp8 else empty_long
-    _compiled(interp, "units")[(n_prob, max(m_units, 1) + scan_programs)](
+    _compiled(interp, "units")[(n_prob, unit_rows + scan_programs)](
         first, offsets, scales, batch.src_slots.contiguous(), row_of_rank, unit_start, unit_size, count,
         feats, kn, vn, seed, valid, k, flag,
-        n_tok, max(m_units, 1), feats.shape[1], hp, heads, head_size, frame_budget, k_max,
+        n_tok, unit_rows, feats.shape[1], hp, heads, head_size, frame_budget, k_max,
         s_block, s_head, s_offset, s_channel,
         MODE=mode, PER_HEAD=per_head, SCAN=scan, FP8=fp8, BLOCK_SIZE=block_size,
         BLOCK_F=max(16, triton.next_power_of_2(width)), SCAN_T=SCAN_ROWS)

@@ -227,10 +227,20 @@ def _greedy_kernel(gk_ptr, gv_ptr, kn_ptr, vn_ptr, seed_ptr, valid_ptr, k_ptr, o
         j = tl.min(tl.where(pool & (score >= best), offs, BLOCK), 0)
 
 
+#: The greedy kernel's arguments Triton must not specialize, so that another budget compiles nothing: the step count
+#: and the directions' cap (integers that change from one run to the next, which Triton would otherwise compile a
+#: variant for at the value 1 and at multiples of 16), and the per-unit vectors and scratch that may be views at
+#: varying offsets (rows of a step's shared buffers; alignment). The unit count and the Gram matrices' strides stay
+#: specialized: the fused step pads the units to a multiple of 16, so every Gram row it reads is 16-byte aligned.
+NOT_SPECIALIZED = (("k_max", "b_rows"), ("kn_ptr", "vn_ptr", "seed_ptr", "valid_ptr", "k_ptr", "out_ptr", "proj_ptr"))
+
+
 @functools.cache
 def _compiled(interpret: bool):
-    """The kernel, jitted on first use (under the interpreter when ``TRITON_INTERPRET=1`` at that time)."""
-    return triton.jit(_greedy_kernel)
+    """The kernel, jitted on first use (under the interpreter when ``TRITON_INTERPRET=1`` at that time), with the
+    arguments of :data:`NOT_SPECIALIZED` left unspecialized."""
+    sizes, pointers = NOT_SPECIALIZED
+    return triton.jit(_greedy_kernel, do_not_specialize=sizes, do_not_specialize_on_alignment=pointers)
 
 
 if triton is not None:  # the kernel's helper: jitted (compiled or interpreted alike) when Triton imports
