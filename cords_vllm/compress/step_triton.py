@@ -27,6 +27,10 @@ fp8 cache, whose anchors' scales are gathered, and one more in the normalized sp
 A step's compressions (:func:`~cords_vllm.compress.step.compress_regions`) share steps 2-3: their units are written to
 rows of one zero-filled buffer (each problem padded with invalid units to the step's largest unit count) and ordered
 by one greedy run, ``4 N + 4`` launches for ``N`` compressions (:class:`UnitRowsToMake`, :class:`GreedyOnRows`).
+A compression's rows are padded with invalid units to a multiple of :data:`UNIT_ROWS` in any case.
+
+Compiles: every kernel leaves the arguments that change from one compression to the next unspecialized
+(:data:`NOT_SPECIALIZED`), so a compression of another size runs the kernels already compiled.
 
 Frame granularity reads one thing back to the host, as the reference does: the most frames a problem holds and the
 frame budget (a ``[P, 2]`` read). The other granularities read nothing.
@@ -551,7 +555,7 @@ class _UnitRows:
     """Where a compression's units go: ``feats`` ``float32 [P, M, 2W]``, ``norms`` ``float32 [3, P, M]`` (key, value
     and seed norms), ``valid`` ``int8 [P, M]``, ``k`` ``long [P]``; rows ``[start, stop)`` of ``stack``'s when a step's
     compressions share them (``M`` then the step's largest unit count), else the compression's own (``stack`` is
-    ``None``)."""
+    ``None``); ``M`` a multiple of :data:`UNIT_ROWS`, the units past a problem's own count invalid."""
 
     feats: torch.Tensor
     norms: torch.Tensor
