@@ -33,6 +33,7 @@ ARGS = ["--kv-policy", "cords", "--kv-policy-config",
         "--limit-mm-per-prompt", '{"image": 64, "video": 1}', "--no-kv-streams"]
 
 
+@pytest.mark.slow  # in -m slow (make test-slow): keeps the default suite under 20 minutes
 def test_openai_client_64_frames_as_images_stay_within_the_footprint():
     from openai import OpenAI
 

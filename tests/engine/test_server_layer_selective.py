@@ -14,6 +14,7 @@ from cords_vllm.lab.synthetic import make_video, mp4_data_url
 pytestmark = pytest.mark.server
 
 
+@pytest.mark.slow  # in -m slow (make test-slow): keeps the default suite under 20 minutes
 def test_serve_lower_layers_compressed_answers_videos_and_refuses_streams(tiny_model):
     config = '{"budget": 256, "slack": 64, "compressed_layers": 2}'
     args = ["--kv-policy", "cords", "--kv-policy-config", config, "--dtype", "float32", "--enforce-eager",

@@ -46,6 +46,12 @@ def qwen3_vl() -> str:
     return str(build_tiny_model(TinyModelSpec(family="qwen3_vl", dtype="float32")))
 
 
+@pytest.fixture(scope="module")
+def pruned(family):
+    """The family's run of the test clip under EVS alone (both tests below compare against it)."""
+    return run_engine(family[1], _request(), engine_kwargs=PRUNING)
+
+
 def _request(prompt: str = VIDEO_PROMPT) -> list[dict]:
     return [{"prompt": prompt, "multi_modal_data": {"video": clip(video(FRAMES))}}]
 
@@ -57,10 +63,9 @@ def _video_tokens(path: str) -> int:
     return FRAMES // vision["temporal_patch_size"] * side * side
 
 
-def test_evs_prunes_the_videos_tokens_and_answers(family):
+def test_evs_prunes_the_videos_tokens_and_answers(family, pruned):
     _, path = family
     full = run_engine(path, _request())
-    pruned = run_engine(path, _request(), engine_kwargs=PRUNING)
     tokens = _video_tokens(path)
     assert full.prompt_lens[0] - pruned.prompt_lens[0] == tokens - int(tokens * (1 - RATE)), \
         "EVS keeps (1 - rate) of the video tokens"
@@ -75,10 +80,9 @@ def test_vidcom2_runs_on_qwen3_vl(qwen3_vl):
     assert pruned.prompt_lens[0] < full.prompt_lens[0] and len(pruned.token_ids[0]) == 6
 
 
-def test_cords_compresses_on_top_of_evs_and_returns_every_block(family):
+def test_cords_compresses_on_top_of_evs_and_returns_every_block(family, pruned):
     """EVS prunes, then the policy compresses what is left (frames found in the positions EVS recomputed)."""
     _, path = family
-    pruned = run_engine(path, _request(), engine_kwargs=PRUNING)
     run = run_engine(path, _request(), "cords", budget=96, slack=32, granularity="frame", engine_kwargs=PRUNING)
     assert run.prompt_lens == pruned.prompt_lens
     assert len(run.events) >= 2 and len(run.token_ids[0]) == 6
