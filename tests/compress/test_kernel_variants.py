@@ -26,6 +26,7 @@ from cords_vllm.compress.kv_access import PagedAccessor, slots_of
 from cords_vllm.compress.step import RegionBatch, RegionCompression, SelectionSetup, compress_region, compress_regions
 from cords_vllm.selection import cords_triton, get_selector
 from tests.compress.device_audit import watch_launches
+from tests.compress.regions import first_batches
 
 pytest.importorskip("triton")
 
@@ -58,20 +59,7 @@ def _specialization(kernel, args: tuple, kwargs: dict, everything: bool) -> tupl
 
 
 def _batches(granularity: str) -> list[RegionBatch]:
-    out, first = [], 1
-    for text, frames, keep in REQUESTS:
-        region = (text + frames * FRAME) // BS
-        blocks = torch.arange(first, first + region)
-        first += region
-        labels = torch.cat([torch.zeros(text, dtype=torch.long), torch.arange(frames).repeat_interleave(FRAME) + 1,
-                            torch.full((BS,), frames + 1)])[: region * BS]
-        out.append(RegionBatch(
-            src_slots=slots_of(blocks, BS), dst_slots=slots_of(blocks[:keep], BS), new_ids=torch.arange(region * BS),
-            spans=torch.tensor([[text, text + frames * FRAME]]), new_labels=labels, num_keep=keep * BS,
-            num_keep_candidates=keep * BS - text, num_candidates=region * BS - text,
-            group_size={"frame": FRAME, "block": BS}.get(granularity), frame_tokens=FRAME, granularity=granularity))
-    assert first <= BLOCKS
-    return out
+    return first_batches([(text, frames, keep, granularity) for text, frames, keep in REQUESTS], FRAME, BS, BLOCKS)
 
 
 def _second(batch: RegionBatch, text: int) -> RegionBatch:

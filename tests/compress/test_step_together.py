@@ -20,6 +20,7 @@ from cords_vllm.compress.step import (
     compress_regions,
 )
 from cords_vllm.selection import get_selector
+from tests.compress.regions import first_batches
 
 LAYERS, HEADS, BS, D, BLOCKS = 4, 2, 8, 16, 48
 TEXT, FRAME = 5, 12
@@ -34,20 +35,7 @@ def _caches(seed: int = 3) -> list[torch.Tensor]:
 
 def _batches() -> list[RegionBatch]:
     """One first compression per request, each in its own blocks (block 0 is null)."""
-    out, first = [], 1
-    for frames, keep, unit in REQUESTS:
-        region = (TEXT + frames * FRAME) // BS
-        blocks = torch.arange(first, first + region)
-        first += region
-        labels = torch.cat([torch.zeros(TEXT, dtype=torch.long), torch.arange(frames).repeat_interleave(FRAME) + 1,
-                            torch.full((BS,), frames + 1)])[: region * BS]
-        out.append(RegionBatch(
-            src_slots=slots_of(blocks, BS), dst_slots=slots_of(blocks[:keep], BS), new_ids=torch.arange(region * BS),
-            spans=torch.tensor([[TEXT, TEXT + frames * FRAME]]), new_labels=labels, num_keep=keep * BS,
-            num_keep_candidates=keep * BS - TEXT, num_candidates=region * BS - TEXT,
-            group_size={"frame": FRAME, "block": BS}.get(unit), frame_tokens=FRAME, granularity=unit))
-    assert first <= BLOCKS
-    return out
+    return first_batches([(TEXT, frames, keep, unit) for frames, keep, unit in REQUESTS], FRAME, BS, BLOCKS)
 
 
 def _alone(setup: SelectionSetup, batches: list[RegionBatch]) -> tuple[list[torch.Tensor], list]:
