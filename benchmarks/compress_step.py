@@ -265,24 +265,25 @@ def measure(case: Case, kernels: str, device: torch.device, dtype: torch.dtype, 
     return row, ids
 
 
-#: Warps tried per kernel by ``--sweep-warps``: the plan and finish programs (which hold a region's rows) and the
-#: greedy run (which holds a problem's units); the module function each setting replaces.
-SWEEPS = {"plan + finish": (step_triton, "_row_warps", (4, 8, 16, 32)),
-          "greedy": (cords_triton, "_warps", (4, 8, 16, 32))}
+#: The kernels ``--sweep-warps`` tunes, each by the module function whose choice it forces: the plan and finish
+#: programs (which hold a region's rows) and the greedy run (which holds a problem's units).
+SWEEPS = {"plan + finish": (step_triton, "_row_warps"), "greedy": (cords_triton, "_warps")}
+#: The warps each kernel is timed at.
+SWEEP_WARPS = (4, 8, 16, 32)
 #: The cases ``--sweep-warps`` times: one anchor at each unit.
 SWEEP_CASES = ("frame, anchors [0]", "block, anchors [0]", "token, anchors [0]")
 
 
 def sweep_warps(chosen: list[Case], device: torch.device, dtype: torch.dtype, repeats: int, bandwidth: float,
                 reference: dict[str, list[torch.Tensor]]) -> list[dict]:
-    """The fused step's wall time with each kernel's warps forced to each of :data:`SWEEPS`'s settings in turn (the
+    """The fused step's wall time with each kernel's warps forced to each of :data:`SWEEP_WARPS` in turn (the
     others as chosen), per case; whether the setting kept the same ids (it must: the kernels' reductions are maxima,
     minima and integer sums, exact in any order); and which setting the module's rule picks today."""
     out = []
     for case in chosen:
-        for kernel, (module, name, options) in SWEEPS.items():
+        for kernel, (module, name) in SWEEPS.items():
             rule = getattr(module, name)
-            for warps in options:
+            for warps in SWEEP_WARPS:
                 picked = []  # what the rule would have picked, seen as the kernel launches
 
                 def forced(block: int, w: int = warps, rule=rule, picked=picked) -> int:
@@ -305,13 +306,13 @@ def sweep_warps(chosen: list[Case], device: torch.device, dtype: torch.dtype, re
 
 def sweep_markdown(sweep: list[dict]) -> str:
     """One row per case and kernel: the wall ms at each setting, today's rule's in bold."""
-    lines = ["| case | kernel | " + " | ".join(f"{w} warps" for w in SWEEPS["greedy"][2]) + " | same ids |",
-             "|---|---|" + "---|" * (len(SWEEPS["greedy"][2]) + 1)]
+    lines = ["| case | kernel | " + " | ".join(f"{w} warps" for w in SWEEP_WARPS) + " | same ids |",
+             "|---|---|" + "---|" * (len(SWEEP_WARPS) + 1)]
     keys = dict.fromkeys((r["case"], r["kernel"]) for r in sweep)
     for case, kernel in keys:
         cells = {r["warps"]: r for r in sweep if (r["case"], r["kernel"]) == (case, kernel)}
         text = [("**{:.2f}**" if cells[w]["today"] else "{:.2f}").format(cells[w]["wall_ms"]) if w in cells else "-"
-                for w in SWEEPS[kernel][2]]
+                for w in SWEEP_WARPS]
         same = [r["same_ids"] for r in cells.values() if r["same_ids"] is not None]
         lines.append(f"| {case} | {kernel} | " + " | ".join(text) + f" | {'-' if not same else all(same)} |")
     return "\n".join(lines) + "\n"

@@ -8,22 +8,22 @@
 # 2. benchmarks/compress_step.py: one compression at a 7B model's shape per granularity and anchor set, the Triton
 #    kernels against the PyTorch path and the copy floor (wall and GPU ms, launches, host syncs, same kept ids), and
 #    the targets, PASS or MISS.
+#    With --sweep-warps it then also times the fused step at 4, 8, 16 and 32 warps of its row kernels
+#    (plan, finish) and of its greedy kernel, frame, block and token at one anchor (a few minutes more: each setting
+#    compiles), today's rule in bold, in the same table: the data to tune them.
 # 3. benchmarks/step_together.py: a step of 1, 2, 4 and 8 compressions at a 7B model's shape, together (one greedy
 #    run for the step on the fused path) against one after another, per implementation, at token granularity (where
 #    the greedy run is the cost) and at the default unit.
-# 4. with --sweep-warps, last: the fused step's wall time at 4, 8, 16 and 32 warps of its row kernels (plan, finish)
-#    and of its greedy kernel, frame, block and token at one anchor (a few minutes more: each setting compiles),
-#    today's rule in bold: the data to tune them.
 # One summary at the end; exit 1 when a test failed or a kernel kept other tokens than the PyTorch path.
 # scripts/gpu-check.sh (the whole engine on a GPU) runs the same tests and benchmark among its steps.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=gpu-core-check-out
-SWEEP=0
+SWEEP=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) OUT=$2; shift 2 ;;
-    --sweep-warps) SWEEP=1; shift ;;
+    --sweep-warps) SWEEP=(--sweep-warps); shift ;;
     -h|--help) sed -n 2,18p "$0"; exit 0 ;;
     *) echo "unknown argument: $1" >&2; exit 2 ;;
   esac
@@ -39,18 +39,13 @@ start=$(date +%s)
 "$PY" -m pytest -q -rs -p no:cacheprovider "${WORKERS[@]}" tests/compress tests/selection tests/metrics \
   > "$OUT/pytest.log" 2>&1
 tests=$?
-"$PY" benchmarks/compress_step.py --out "$OUT" > "$OUT/compress_step.log" 2>&1
+"$PY" benchmarks/compress_step.py --out "$OUT" "${SWEEP[@]}" > "$OUT/compress_step.log" 2>&1
 bench=$?
 together=0
 for unit in token auto; do
   "$PY" benchmarks/step_together.py --granularity "$unit" --out "$OUT/step_together_$unit" \
     > "$OUT/step_together_$unit.log" 2>&1 || together=1
 done
-sweep=0
-if [ "$SWEEP" -eq 1 ]; then
-  "$PY" benchmarks/compress_step.py --kernels torch triton --sweep-warps --only "anchors [0]" --out "$OUT/warps" \
-    > "$OUT/warps.log" 2>&1 || sweep=1
-fi
 
 echo
 echo "## cords-vllm GPU core check ($(( $(date +%s) - start )) s)"
@@ -59,9 +54,5 @@ echo "benchmark (exit $bench):"
 if [ -f "$OUT/compress_step.md" ]; then cat "$OUT/compress_step.md"; else tail -20 "$OUT/compress_step.log"; fi
 echo "a step's compressions together (exit $together):"
 for unit in token auto; do tail -8 "$OUT/step_together_$unit.log"; done
-if [ "$SWEEP" -eq 1 ]; then
-  echo "warps (exit $sweep):"
-  sed -n '/by warps/,$p' "$OUT/warps/compress_step.md" 2>/dev/null || tail -20 "$OUT/warps.log"
-fi
 echo "logs: $OUT/"
-[ "$tests" -eq 0 ] && [ "$bench" -eq 0 ] && [ "$together" -eq 0 ] && [ "$sweep" -eq 0 ]
+[ "$tests" -eq 0 ] && [ "$bench" -eq 0 ] && [ "$together" -eq 0 ]

@@ -62,10 +62,10 @@ def test_the_warps_sweep_times_each_setting_and_keeps_the_ids(tmp_path: Path) ->
     assert module.main(["--quick", "--device", device, "--repeats", "1", "--only", "frame, anchors [0]",
                         "--sweep-warps", "--out", str(tmp_path)]) == 0
     sweep = json.loads((tmp_path / "compress_step.json").read_text())["warps"]
-    assert {(r["kernel"], r["warps"]) for r in sweep} == {
-        (kernel, w) for kernel, (_, _, options) in module.SWEEPS.items() for w in options}
+    assert {(r["kernel"], r["warps"]) for r in sweep} == {(kernel, w) for kernel in module.SWEEPS
+                                                          for w in module.SWEEP_WARPS}
     assert all(r["same_ids"] is True and r["wall_ms"] > 0 for r in sweep)
     for kernel in module.SWEEPS:
         assert sum(r["today"] for r in sweep if r["kernel"] == kernel) == 1
     assert "| frame, anchors [0] | greedy |" in (tmp_path / "compress_step.md").read_text()
-    assert [getattr(m, name).__name__ for m, name, _ in module.SWEEPS.values()] == ["_row_warps", "_warps"]  # put back
+    assert [getattr(m, name).__name__ for m, name in module.SWEEPS.values()] == ["_row_warps", "_warps"]  # put back
