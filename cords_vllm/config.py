@@ -73,6 +73,9 @@ ENGINE_KEYS: dict[str, str] = {
     "kernels": "what runs the compress step: 'auto' (Triton kernels on CUDA, the PyTorch reference elsewhere), "
                "'triton' or 'torch' (default: the CORDS_VLLM_KERNELS environment variable, else 'auto'); the "
                "workers' start-up line says which runs",
+    "warmup": "where Triton kernels run the compress step, compile them at start-up for every width the server's "
+              "compressions can take, so that no request waits for a compile (bool; default true; false starts "
+              "faster and compiles each width at its first compression)",
 }
 
 
@@ -129,6 +132,9 @@ class KVPolicyConfig:
     kernels:
         ``"auto"``, ``"triton"`` or ``"torch"``: what runs the compress step (:mod:`cords_vllm.kernel_backend`);
         ``None``: the environment's choice.
+    warmup:
+        Where Triton runs the compress step, compile its kernels at start-up for every width the server's
+        compressions can take (:mod:`cords_vllm.compress.kernel_warmup`).
     params:
         Selector hyper-parameters (validated by the selector).
     """
@@ -145,6 +151,7 @@ class KVPolicyConfig:
     modalities: tuple[str, ...] = MODALITIES
     max_text_tokens: int | None = None
     kernels: str | None = None
+    warmup: bool = True
     params: Mapping[str, Any] = field(default_factory=dict)
 
     @property
@@ -198,6 +205,9 @@ class KVPolicyConfig:
         if kernels is not None and kernels not in KERNEL_CHOICES:
             raise KVPolicyConfigError(
                 f"kv_policy_config key 'kernels' must be one of {list(KERNEL_CHOICES)}, got {kernels!r}")
+        warmup = engine.get("warmup", True)
+        if not isinstance(warmup, bool):
+            raise KVPolicyConfigError(f"kv_policy_config key 'warmup' must be true or false, got {warmup!r}")
         if kernels is None:
             try:
                 requested_kernels()  # the environment's choice, checked at start-up rather than per compression
@@ -207,7 +217,7 @@ class KVPolicyConfig:
                    min_units=min_units, per_head=per_head, anchors=_anchors(engine.get("anchors", [0])),
                    compressed_layers=compressed_layers,
                    modalities=_modalities(engine.get("modalities", list(MODALITIES))), max_text_tokens=max_text,
-                   kernels=kernels, params=params)
+                   kernels=kernels, warmup=warmup, params=params)
 
     @classmethod
     def from_additional_config(cls, additional_config: Mapping[str, Any] | None) -> KVPolicyConfig:

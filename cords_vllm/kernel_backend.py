@@ -11,7 +11,11 @@ The choice (:data:`CHOICES`) comes from ``kv_policy_config`` key ``kernels`` (th
 compressions with :func:`kernels_in_force`), else from the environment variable :data:`ENV`, else ``"auto"``: Triton
 on a CUDA device of compute capability 8.0 or newer when Triton imports, PyTorch elsewhere. ``"triton"`` forces the
 kernels (on a CPU tensor only under ``TRITON_INTERPRET=1``, how the tests run them); ``"torch"`` forces the
-reference. No vLLM import.
+reference.
+
+Every kernel launch goes through :func:`launch`, which :func:`recording` can note: the start-up warm-up
+(:mod:`cords_vllm.compress.kernel_warmup`) records a small compression's launches and compiles them again at every
+width the server's compressions can take. No vLLM import.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import functools
 import importlib.util
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -126,3 +132,37 @@ def describe(device: torch.device) -> str:
     else:
         why = f"no kernels for {device.type}"
     return f"PyTorch reference ({why}; kernels={choice}, from {source})"
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch, ``kernel[grid](*args, **kwargs)``: ``name`` says which kernel (``"plan"``, ``"units"``,
+    ``"finish"``, ``"normalize"``, ``"greedy"``, ``"copy"``); ``kernel`` is Triton's jitted function."""
+
+    name: str
+    kernel: Any
+    grid: tuple[int, ...]
+    args: tuple
+    kwargs: dict[str, Any]
+
+
+_RECORDING: contextvars.ContextVar[list[Launch] | None] = contextvars.ContextVar("cords_vllm_launches", default=None)
+
+
+def launch(name: str, kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
+    """Launch ``kernel[grid](*args, **kwargs)``, noted as :class:`Launch` ``name`` inside :func:`recording`."""
+    recorded = _RECORDING.get()
+    if recorded is not None:
+        recorded.append(Launch(name, kernel, grid, args, kwargs))
+    kernel[grid](*args, **kwargs)
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[Launch]]:
+    """The block's kernel launches, in order, as :class:`Launch` records (they still run)."""
+    recorded: list[Launch] = []
+    token = _RECORDING.set(recorded)
+    try:
+        yield recorded
+    finally:
+        _RECORDING.reset(token)

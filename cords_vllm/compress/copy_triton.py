@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 import torch
 
-from cords_vllm.kernel_backend import interpreting
+from cords_vllm.kernel_backend import interpreting, launch
 
 try:
     import triton
@@ -144,6 +144,6 @@ def copy_kept(caches: Sequence[torch.Tensor], positions: torch.Tensor, anchor_ro
         s_block, s_head, s_offset, s_channel = first.stride()
         block_c = min(triton.next_power_of_2(channels), max(16, CHUNK_BYTES // size))
         grid = (len(layers) * heads, triton.cdiv(channels, block_c))
-        kernel[grid](base, offsets, rows, positions, src_slots, dst_slots, num_keep, heads, channels,
-                     s_block, s_head, s_offset, s_channel, *positions.stride(),
-                     BLOCK_SIZE=block_size, BLOCK_T=TILE_ROWS, BLOCK_C=block_c, num_warps=WARPS)
+        launch("copy", kernel, grid, base, offsets, rows, positions, src_slots, dst_slots, num_keep, heads, channels,
+               s_block, s_head, s_offset, s_channel, *positions.stride(),
+               BLOCK_SIZE=block_size, BLOCK_T=TILE_ROWS, BLOCK_C=block_c, num_warps=WARPS)

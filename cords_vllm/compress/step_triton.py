@@ -70,9 +70,9 @@ import torch
 from cords_vllm.compress import copy_triton
 from cords_vllm.compress.kv_access import KVAccessor, PagedAccessor
 from cords_vllm.compress.kv_codec import Fp8Codec, KVCodec, PlainCodec
-from cords_vllm.kernel_backend import interpreting
+from cords_vllm.kernel_backend import interpreting, launch
 from cords_vllm.selection.cords import GreedyParams
-from cords_vllm.selection.cords_triton import GRAM_LIMIT_BYTES, MAX_UNITS, greedy_from_units
+from cords_vllm.selection.cords_triton import GRAM_LIMIT_BYTES, MAX_UNITS, UNIT_ROWS, greedy_from_units
 from cords_vllm.selection.together import SelectionSteps
 from cords_vllm.utils import cdiv
 
@@ -315,9 +315,10 @@ def _finish_kernel(order, k_in, still_in, count_in, elig_rank, unit_of, unit_sta
                    region_ids, region_video, region_labels, kept_count, positions, out_ids, out_video, out_labels,
                    flag, nonfinite,
                    n_tok, m_units, k_max, k_stride, num_keep,
-                   LABELS: tl.constexpr, SCAN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+                   LABELS: tl.constexpr, SCAN: tl.constexpr, BLOCK_T: tl.constexpr):
     """Problem ``p``'s kept rows (``positions[p]``, increasing) and the tokens the region holds after the copy
-    (``order``'s rows are ``k_stride >= k_max`` long: a step's compressions share it)."""
+    (``order``'s rows are ``k_stride >= k_max`` long: a step's compressions share it). The chosen units take the
+    rows' lanes too (``k_max <= m_units <= n_tok``): the budget sets no width, so it compiles no variant."""
     p = tl.program_id(0).to(tl.int64)
     row = p * n_tok
     t = tl.arange(0, BLOCK_T)
@@ -327,7 +328,7 @@ def _finish_kernel(order, k_in, still_in, count_in, elig_rank, unit_of, unit_sta
     # Tokens each chosen unit keeps: units in the order chosen fill `still`, the one crossing it is trimmed.
     tl.store(kept_count + row + t, tl.zeros([BLOCK_T], dtype=tl.int32), mask=t < m_units)
     tl.debug_barrier()
-    s = tl.arange(0, BLOCK_K)
+    s = tl.arange(0, BLOCK_T)
     chosen = (s < k) & (s < k_max)
     unit = tl.load(order + p * k_stride + s, mask=chosen, other=0)
     chosen = chosen & (unit >= 0)
@@ -427,16 +428,24 @@ def _row_warps(block_t: int) -> int:
     return min(16, max(4, block_t // (32 * 64)))
 
 
+def row_width(block_t: int) -> dict[str, int]:
+    """The plan and finish programs' width at ``block_t`` rows (a power of two, at least 16): their ``BLOCK_T`` and
+    warps, the only settings of theirs that change with a compression's size."""
+    return {"BLOCK_T": block_t, "num_warps": _row_warps(block_t)}
+
+
 #: Per kernel, the arguments Triton must not specialize, so that a compression of another size compiles nothing:
-#: integers that change from one compression to the next (region and unit counts, budgets, strides of tensors sized
-#: by them), which Triton would otherwise compile a variant for at the value 1 and at multiples of 16, and pointers
-#: to views whose offsets vary (rows of a step's shared buffers, slices of the engine's tensors), whose 16-byte
-#: alignment it would specialize on. What an engine keeps constant (the caches' strides and base, head counts and
-#: widths, the policy's settings) stays specialized, and the units' rows are padded to a multiple of 16
-#: (:data:`UNIT_ROWS`), so the greedy kernel's Gram rows stay aligned. ``tests/compress/test_kernel_variants.py``
-#: computes Triton's own specialization of every launch over compressions of many sizes: one variant per kernel.
+#: integers that change from one compression to the next (region and unit counts, budgets, the recent window, a
+#: unit's tokens, strides of tensors sized by them), which Triton would otherwise compile a variant for at the value
+#: 1 and at multiples of 16, and pointers to views whose offsets vary (rows of a step's shared buffers, slices of the
+#: engine's tensors), whose 16-byte alignment it would specialize on. What an engine keeps constant (the caches'
+#: strides and base, head counts and widths, the policy's settings) stays specialized, and the units' rows are padded
+#: to a multiple of 16 (:data:`UNIT_ROWS`), so the greedy kernel's Gram rows stay aligned.
+#: ``tests/compress/test_kernel_variants.py`` computes Triton's own specialization of every launch over compressions
+#: of many sizes: one variant per kernel and width (the widths a server takes are compiled at start-up:
+#: :mod:`cords_vllm.compress.kernel_warmup`).
 NOT_SPECIALIZED = {
-    "plan": (("hs_a", "hs_h", "n_spans", "n_prev", "n_tok", "need"),
+    "plan": (("hs_a", "hs_h", "n_spans", "n_prev", "n_tok", "num_recent", "need", "group"),
              ("held_ids", "held_video", "held_labels", "new_ids", "new_labels", "spans", "region_ids",
               "region_video", "region_labels", "elig_rank", "unit_of", "row_of_rank", "unit_start", "unit_size",
               "protect", "count_out", "still_out", "stats", "flag")),
@@ -449,8 +458,6 @@ NOT_SPECIALIZED = {
                 "out_labels", "flag", "nonfinite")),
     "normalize": (("f_problem", "n_field", "n_problem", "v_problem"), ("feats", "norms", "valid")),
 }
-#: The units' rows are padded with invalid units to a multiple of this (a step's compressions share them anyway).
-UNIT_ROWS = 16
 
 
 @functools.cache
@@ -665,7 +672,7 @@ def _normalize(feats: torch.Tensor, norms: torch.Tensor, valid: torch.Tensor, m_
     """:func:`_normalize_kernel` on ``P`` problems' rows (``feats`` ``[P, M', 2 * width]``, ``norms`` ``[3, P, M']``,
     ``valid`` ``[P, M']``, rows contiguous; the first ``m_units`` units of each)."""
     block_w = max(16, triton.next_power_of_2(width))
-    _compiled(interp, "normalize")[(feats.shape[0],)](
+    launch("normalize", _compiled(interp, "normalize"), (feats.shape[0],),
         feats, norms, valid, m_units, width, feats.stride(0), norms.stride(0), norms.stride(1), valid.stride(0),
         SCALE=scale, BLOCK_S=max(1, 4096 // block_w), BLOCK_W=block_w)
 
@@ -715,8 +722,8 @@ def compress_region_fused_steps(caches: Sequence[torch.Tensor], held: Sequence, 
             hs_a, hs_h = h_ids.stride(0), h_ids.stride(1)
         if h_ids.shape[1] == 1:
             hs_h = 0
-    else:
-        h_ids, h_video, h_labels, hs_a, hs_h = empty_long, empty_long, None, 0, 0
+    else:  # a first compression: no held tokens, in the types of held ones (one variant for both)
+        h_ids, h_video, h_labels, hs_a, hs_h = empty_long, empty_long.view(torch.bool)[:1], None, 0, 0
     labels = labels_given and (n_prev == 0 or h_labels is not None)  # the region's labels, as the reference's
     if unit == "frame" and labels:
         if group is None:
@@ -742,13 +749,13 @@ def compress_region_fused_steps(caches: Sequence[torch.Tensor], held: Sequence, 
     stats, flag = buf(torch.int32, n_prob, 2), buf(torch.int32, 1)
     interp = interpreting()
     spans = batch.spans.contiguous()
-    _compiled(interp, "plan")[(n_prob,)](
+    launch("plan", _compiled(interp, "plan"), (n_prob,),
         h_ids, h_video, h_labels if h_labels is not None else empty_long, hs_a, hs_h,
         batch.new_ids.contiguous(), batch.new_labels.contiguous() if labels_given else empty_long,
         spans, spans.shape[0], region_ids, region_video, region_labels, elig_rank, unit_of, row_of_rank,
         unit_start, unit_size, protect, count, still, stats, flag,
         n_prev, n_tok, hp, batch.num_recent, need, group or 1,
-        MODE=mode, LABELS=labels, BLOCK_T=block_t, num_warps=_row_warps(block_t))
+        MODE=mode, LABELS=labels, **row_width(block_t))
 
     frame_budget = 0
     if mode == FRAME:  # the compression's one host read: the most frames of a problem, and the frame budget
@@ -780,7 +787,7 @@ def compress_region_fused_steps(caches: Sequence[torch.Tensor], held: Sequence, 
     scan_programs = cdiv(n_tok, SCAN_ROWS) if scan else 0
     fp8 = _fp8_mode(codecs, anchors)
     scales = _scales(codecs, anchors, heads, device) if fp8 else empty_long
-    _compiled(interp, "units")[(n_prob, unit_rows + scan_programs)](
+    launch("units", _compiled(interp, "units"), (n_prob, unit_rows + scan_programs),
         first, offsets, scales, batch.src_slots.contiguous(), row_of_rank, unit_start, unit_size, count,
         feats, kn, vn, seed, valid, k, flag,
         n_tok, unit_rows, feats.shape[1], hp, heads, head_size, frame_budget, k_max,
@@ -798,13 +805,12 @@ def compress_region_fused_steps(caches: Sequence[torch.Tensor], held: Sequence, 
     positions = buf(torch.long, *shape)
     out_ids, out_video = buf(torch.long, *shape), buf(torch.bool, *shape)
     out_labels = buf(torch.long, *shape) if labels else empty_long
-    _compiled(interp, "finish")[(n_prob,)](
+    launch("finish", _compiled(interp, "finish"), (n_prob,),
         order, k, still, count, elig_rank, unit_of, unit_start, unit_size, protect,
         region_ids, region_video, region_labels, kept_count, positions, out_ids, out_video, out_labels,
         flag, nonfinite if scan else empty_long,
         n_tok, max(m_units, 1), k_max, order.stride(0), num_keep,
-        LABELS=labels, SCAN=scan, BLOCK_T=block_t, BLOCK_K=max(16, triton.next_power_of_2(max(k_max, 1))),
-        num_warps=_row_warps(block_t))
+        LABELS=labels, SCAN=scan, **row_width(block_t))
 
     positions = positions.expand(n_anchor, heads, num_keep)
     row_of = {a: i for i, a in enumerate(anchors)}

@@ -116,7 +116,10 @@ WORKER: tuple[Entry, ...] = (
           worker.make_initialize_from_config,
           why="the hooks below wrap the V1 model runner only, and vLLM picks the runner per worker (settings "
               "such as watermarking select Model Runner V2 whatever VLLM_USE_V2_MODEL_RUNNER says): refuse, before "
-              "the KV cache exists, a runner the hooks would never reach"),
+              "the KV cache exists, a runner the hooks would never reach. Once it exists, build the worker's "
+              "compressor and compile its Triton kernels for every width the server's compressions can take: "
+              "vLLM warms its own kernels at start-up, not a plugin's, which would otherwise compile in the middle "
+              "of serving"),
     Patch("vllm.v1.worker.gpu_model_runner:GPUModelRunner._update_states", ("self", "scheduler_output"),
           worker.make_update_states,
           why="the KV connector's worker hook runs before new block ids are appended and cannot edit rows: "

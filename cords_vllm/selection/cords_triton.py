@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cords_vllm.kernel_backend import interpreting
+from cords_vllm.kernel_backend import interpreting, launch
 from cords_vllm.selection.cords import GreedyParams, snap_tolerance
 
 logger = logging.getLogger(__name__)
@@ -54,6 +54,9 @@ logger = logging.getLogger(__name__)
 MAX_UNITS = 16384
 #: The most bytes the Gram matrices of one call may take on the kernel path.
 GRAM_LIMIT_BYTES = 4 << 30
+#: Every run's units are padded with invalid ones to a multiple of this: the kernel specializes on the unit count
+#: (the Gram rows' alignment), so runs of any size share its one variant per width (:func:`unit_width`).
+UNIT_ROWS = 16
 
 try:
     import triton
@@ -269,6 +272,12 @@ def _warps(block: int) -> int:
     return 4 if block <= 64 else 8 if block <= 256 else 16 if block <= 4096 else 32
 
 
+def unit_width(block: int) -> dict[str, int]:
+    """The kernel's width at ``block`` units (a power of two, at least 16): its ``BLOCK`` and warps, the only
+    settings of its launch that change with a run's size (the others follow the model and the policy)."""
+    return {"BLOCK": block, "num_warps": _warps(block)}
+
+
 def cords_greedy_triton(feats: torch.Tensor, key_dim: int, valid: torch.Tensor, k: torch.Tensor, k_max: int, *,
                         alpha: float, eta: float, lam: float, eps0: float, novelty: str) -> torch.Tensor | None:
     """:func:`~cords_vllm.selection.cords.cords_greedy` (same arguments, same result) in one kernel launch.
@@ -291,6 +300,14 @@ def cords_greedy_triton(feats: torch.Tensor, key_dim: int, valid: torch.Tensor, 
         _say_once(f"{p_count} problem(s) of {m_units} units exceed the kernel's limits ({MAX_UNITS} units, "
                   f"{GRAM_LIMIT_BYTES >> 30} GiB of Gram matrices)")
         return None
+    # Every run in the variant the fused step's runs compile (:mod:`cords_vllm.compress.kernel_warmup`): int8
+    # validity, and the units padded with invalid ones to a multiple of UNIT_ROWS (the kernel specializes on the unit
+    # count: its Gram rows' alignment).
+    pad = -m_units % UNIT_ROWS
+    valid = torch.nn.functional.pad(valid.to(torch.int8), (0, pad))
+    if pad:
+        feats = torch.nn.functional.pad(feats, (0, 0, 0, pad))
+        m_units += pad
     keys, values = feats[..., :key_dim], feats[..., key_dim:]
     kn = torch.linalg.vector_norm(keys, dim=-1) if terms.need_k else feats.new_zeros((p_count, m_units))
     vn = torch.linalg.vector_norm(values, dim=-1) if terms.need_v else kn
@@ -369,7 +386,7 @@ def greedy_from_units(feats: torch.Tensor, key_dim: int, kn: torch.Tensor, vn: t
         basis, proj = scratch[:n_basis], scratch[n_basis:]
     else:
         basis = proj = empty
-    _compiled(interpreting())[(p_count,)](
+    launch("greedy", _compiled(interpreting()), (p_count,),
         gk, gv, kn.contiguous(), vn.contiguous(), seed.contiguous(), valid.contiguous(), k, out,
         feats, basis, proj, m_units, k_max, m_units * m_units, feats.stride(0), feats.stride(1), comp_dim, key_dim,
         b_rows,
@@ -384,7 +401,6 @@ def tiles(m_units: int, comp_dim: int) -> dict[str, int]:
     """The greedy kernel's widths for ``m_units`` units of ``comp_dim`` channels per component: ``BLOCK`` (the units,
     a power of two), ``BLOCK_D`` (a component), the exact novelty's tile height (``BLOCK_S`` directions or units of
     ``BLOCK_D`` channels: about 4,096 elements) and the warps."""
-    block = max(16, triton.next_power_of_2(m_units))
     block_d = max(16, triton.next_power_of_2(comp_dim))
-    return {"BLOCK": block, "BLOCK_D": block_d, "BLOCK_S": max(1, min(64, 4096 // block_d)),
-            "num_warps": _warps(block)}
+    return {**unit_width(max(16, triton.next_power_of_2(m_units))), "BLOCK_D": block_d,
+            "BLOCK_S": max(1, min(64, 4096 // block_d))}

@@ -15,7 +15,6 @@ Triton's default would, give several variants, so the sizes do vary.
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import replace
 
 import pytest
@@ -27,35 +26,13 @@ from cords_vllm.compress.step import RegionBatch, RegionCompression, SelectionSe
 from cords_vllm.selection import cords_triton, get_selector
 from tests.compress.device_audit import watch_launches
 from tests.compress.regions import first_batches
+from tests.compress.specialization import specialization as _specialization
 
 pytest.importorskip("triton")
 
 LAYERS, HEADS, D, BS, FRAME, BLOCKS = 4, 2, 8, 4, 6, 96
 #: Per request: protected text tokens, frames, kept blocks (regions of 40-56 tokens: one row width for the kernels).
 REQUESTS = ((5, 6, 4), (6, 7, 5), (8, 8, 7), (7, 6, 6))
-OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion", "num_ctas")
-
-
-def _specialization(kernel, args: tuple, kwargs: dict, everything: bool) -> tuple[tuple, tuple]:
-    """``(constexprs and options, runtime specialization)`` of one launch, as Triton's JIT computes them (with
-    ``everything``: as it would with no argument left unspecialized)."""
-    from triton.backends.compiler import BaseBackend
-    from triton.runtime.jit import native_specialize_impl
-
-    params = inspect.signature(kernel.fn).parameters
-    given = dict(zip(params, args, strict=False)) | {k: v for k, v in kwargs.items() if k not in OPTIONS}
-    jit_args = getattr(kernel, "kwargs", None) or vars(kernel)
-    sizes = set(jit_args.get("do_not_specialize") or ())
-    pointers = set(jit_args.get("do_not_specialize_on_alignment") or ())
-    fixed, runtime = [], []
-    for name, value in given.items():
-        if "constexpr" in str(params[name].annotation):
-            fixed.append((name, value))
-        else:
-            runtime.append((name, native_specialize_impl(BaseBackend, value, False, everything or name not in sizes,
-                                                         everything or name not in pointers)))
-    fixed += sorted((k, v) for k, v in kwargs.items() if k in OPTIONS)
-    return tuple(fixed), tuple(runtime)
 
 
 def _batches(granularity: str) -> list[RegionBatch]:

@@ -8,14 +8,20 @@ take the PyTorch copy, and the fused step, which reads the GPU backends' paged v
 
 from __future__ import annotations
 
+import gc
 import logging
 import re
 
 import pytest
 
 import cords_vllm.integration.worker.compressor as compressor
-from cords_vllm.config import KVPolicyConfig, KVPolicyConfigError
-from tests.engine.conftest import VIDEO_PROMPT, run_engine, video
+from cords_vllm.config import KVPolicyConfig, KVPolicyConfigError, kv_policy_args
+from cords_vllm.integration.inprocess.llm import make_llm
+from cords_vllm.integration.worker.hooks import attached_compressor
+from cords_vllm.selection import cords_triton
+from tests.compress.device_audit import watch_launches
+from tests.compress.specialization import specialization
+from tests.engine.conftest import BLOCK, CHUNK, VIDEO_PROMPT, run_engine, video
 
 
 class _Lines(logging.Handler):
@@ -50,6 +56,49 @@ def test_the_kernels_key_reaches_the_workers_and_both_paths_keep_the_same_tokens
         assert all((x == y).all() for x, y in zip(a.kept_logical, b.kept_logical, strict=True))
     assert triton_run.token_ids == torch_run.token_ids
     assert triton_run.free_blocks_after == triton_run.free_blocks_before
+
+
+def _warmup(worker):
+    return attached_compressor(worker.model_runner).warmup
+
+
+def test_the_kernels_compile_at_start_up_for_every_width_the_videos_take(tiny_model, monkeypatch):
+    """The worker compiles its kernels when the engine starts (here their variants are listed: the interpreter has
+    nothing to compile), and the compressions of videos of several lengths, at the server's budget and at budgets
+    requests narrowed it to, launch only variants it compiled."""
+    pytest.importorskip("triton")
+    worker_log = logging.getLogger(compressor.__name__)
+    lines, level = _Lines(), worker_log.level
+    worker_log.addHandler(lines)
+    worker_log.setLevel(logging.INFO)
+    try:
+        llm = make_llm(tiny_model, block_size=BLOCK, max_num_batched_tokens=4096, max_num_scheduled_tokens=CHUNK,
+                       **kv_policy_args("cords", budget=128, slack=16, granularity="token", kernels="triton"))
+    finally:
+        worker_log.removeHandler(lines)
+        worker_log.setLevel(level)
+    report = llm.collective_rpc(_warmup)[0]
+    assert any(re.search(r"kernel warm-up: compiled \d+ kernel variants \(greedy\) for regions of \d+-\d+ rows", line)
+               for line in lines.lines), lines.lines
+    launched = []
+
+    def run(label, kernel, grid, args, kwargs):
+        launched.append(specialization(kernel, args, kwargs))
+        return kernel[grid](*args, **kwargs)
+
+    watch_launches(monkeypatch, (cords_triton,), run)
+    from vllm import SamplingParams
+
+    for frames, budget in ((16, 128), (12, 24)):  # one after the other: a step's compressions share their width
+        llm.generate({"prompt": VIDEO_PROMPT, "multi_modal_data": {"video": video(frames, seed=frames)}},
+                     SamplingParams(temperature=0.0, max_tokens=1, extra_args={"kv_policy": {"budget": budget}}),
+                     use_tqdm=False)
+    del llm
+    gc.collect()
+    warmed = {specialization(v.kernel, v.args, v.kwargs) for v in report.variants if v.name == "greedy"}
+    blocks = {dict(fixed)["BLOCK"] for fixed, _ in launched}
+    assert len(blocks) >= 2, blocks  # compressions of several widths
+    assert set(launched) <= warmed, sorted(dict(fixed)["BLOCK"] for fixed, _ in set(launched) - warmed)
 
 
 @pytest.mark.parametrize("value", ["cuda", "TRITON", 1, True])

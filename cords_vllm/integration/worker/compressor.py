@@ -75,6 +75,7 @@ from cords_vllm.integration.worker.query_capture import QueryCapture
 from cords_vllm.integration.worker.tensor_parallel import tp_head_gatherer
 from cords_vllm.integration.worker.timing import CompressionTimer
 from cords_vllm.integration.worker.tracker import WorkerRequest
+from cords_vllm.kernel_backend import interpreting, kernels_in_force, use_triton
 from cords_vllm.model_facts import FRAMES_FROM_LAYOUT
 from cords_vllm.selection import get_selector
 from cords_vllm.threads import intra_op_threads
@@ -191,6 +192,8 @@ class WorkerCompressor:
         self._nonfinite_read_at = 0.0
         self._unread_compressions = 0
         self._probe_layouts()
+        #: What the start-up kernel warm-up compiled (``None``: it did not run; see :meth:`warm_up_kernels`).
+        self.warmup: Any = None
 
     def _query_capture(self, runner: Any, modules: list[Any]) -> QueryCapture:
         if self.setup.gather_heads is not None:
@@ -243,6 +246,34 @@ class WorkerCompressor:
             accessor.write(cache, slots, *saved)
             if not (torch.equal(got_k, probe) and torch.equal(got_v, -probe)):
                 raise RuntimeError(f"KV layout of layer {name} ({accessor}) failed its read-back probe")
+
+    def warm_up_kernels(self, runner: Any) -> None:
+        """At start-up, before the engine serves: where Triton kernels run the compress step, compile them for every
+        width this server's compressions can take (:mod:`cords_vllm.compress.kernel_warmup`), unless the
+        configuration's ``warmup`` is false. Every rank runs it (its small compressions gather heads under tensor
+        parallelism)."""
+        with kernels_in_force(self.setup.kernels):
+            if not use_triton(self.device):
+                return
+        if not self.config.warmup:
+            logger.info("cords-vllm: kernel warm-up off (kv_policy_config 'warmup'): each width compiles at its "
+                        "first compression")
+            return
+        if self.setup.selector.needs_observation:
+            logger.info("cords-vllm: kernel warm-up skipped: --kv-policy %s scores observed queries, which no "
+                        "start-up compression has; its copy kernel compiles at its first compression",
+                        self.config.policy)
+            return
+        from cords_vllm.compress.kernel_warmup import WarmupWidths, warm_up
+
+        max_len = runner.vllm_config.model_config.max_model_len
+        max_rows = min(max_len, self.config.stream_footprint_blocks(max_len, self.block_size) * self.block_size)
+        widths = WarmupWidths.for_server(
+            budget=self.config.budget, slack=self.config.slack, block_size=self.block_size,
+            max_rows=max_rows, granularity=self.config.granularity, frames_known=self.facts.finds_frames)
+        self.warmup = warm_up(self.caches, self.accessors, self.codecs, self.setup, widths)
+        logger.info("cords-vllm: kernel warm-up: %s%s", self.warmup.describe(),
+                    " (interpreted: nothing to compile)" if interpreting() else "")
 
     # ------------------------------------------------------------------------------------------------
     def on_step(self, runner: Any, scheduler_output: Any) -> None:

@@ -65,7 +65,11 @@ def check_runner(runner: Any, policy: KVPolicyConfig) -> None:
 def make_initialize_from_config(original: Callable) -> Callable:
     def initialize_from_config(self, kv_cache_config):
         check_runner(self.model_runner, KVPolicyConfig.from_vllm_config(self.vllm_config))
-        return original(self, kv_cache_config)
+        out = original(self, kv_cache_config)
+        comp = worker_compressor(self.model_runner)  # the KV cache exists now: built here, not at the first step
+        if comp is not None:
+            comp.warm_up_kernels(self.model_runner)
+        return out
     return initialize_from_config
 
 
