@@ -17,6 +17,11 @@ granularity and anchor set, with each implementation (``--kernels``). Per row:
 * ``path``: what ran on the kernel path: the fused step (:mod:`cords_vllm.compress.step_triton`), or the greedy
   kernel and the copy around the PyTorch plumbing where the fused step does not cover the case.
 
+Each kernel row first runs the start-up warm-up (:mod:`cords_vllm.compress.kernel_warmup`) for a server whose
+compressions take this region (budget: the kept video tokens; slack: the rest of the region's video): a third table
+gives its variants and seconds (on a fresh machine, the compiles a server's start-up adds; later, Triton's disk
+cache) and how many kernel variants the row's own compressions compiled after it, which must be none.
+
 It ends with the issue's targets (frame <= 1 ms, block <= 2 ms, token <= 15 ms, anchors [0, 2, 4] <= 1.5x
 anchors [0], <= 1 sync and <= 16 launches per compression), each PASS or MISS, and writes
 ``compress_step.json`` and ``compress_step.md`` to ``--out``.
@@ -40,7 +45,8 @@ from pathlib import Path
 
 import torch
 
-from cords_vllm.compress import step_triton
+from cords_vllm.compress import copy_triton, step_triton
+from cords_vllm.compress.kernel_warmup import WarmupWidths, warm_up
 from cords_vllm.compress.kv_access import PagedAccessor, slots_of
 from cords_vllm.compress.step import RegionBatch, SelectionSetup, compress_region
 from cords_vllm.compress.unit_choice import AUTO, compression_unit
@@ -81,6 +87,9 @@ class Row:
     same_ids: bool | None = None
     x_torch: float | None = None
     busy_by_kernel: dict[str, float] | None = None  # device ms per kernel, largest first (CUDA only)
+    warmup_s: float | None = None  # the kernel path's start-up warm-up for this region's server
+    warmup_variants: int | None = None
+    compiled_after_warmup: int | None = None  # kernel variants the row's compressions compiled (none expected)
     notes: list[str] = field(default_factory=list)
 
 
@@ -207,14 +216,38 @@ def count_launches_and_syncs(run, device: torch.device
     return launches, syncs, busy_ms, by_kernel
 
 
+def compiled_variants() -> int | None:
+    """Kernel variants Triton holds compiled over the compress step's kernels (``None`` where none compile: the
+    interpreter, or a Triton that keeps them elsewhere)."""
+    kernels = [step_triton._compiled(False, k) for k in step_triton.NOT_SPECIALIZED]
+    kernels += [cords_triton._compiled(False), copy_triton._compiled(False)]
+    if not all(hasattr(k, "device_caches") for k in kernels):
+        return None
+    return sum(len(cache[0]) for k in kernels for cache in k.device_caches.values())
+
+
+def server_widths(case: Case) -> WarmupWidths:
+    """The widths of a server whose compressions take ``case``'s region: its kept video tokens the budget, the rest
+    of the region's video the slack, requests as long as the region."""
+    shape = case.shape
+    budget = shape.kept - shape.text
+    return WarmupWidths.for_server(budget=budget, slack=shape.held - shape.text - budget,
+                                   block_size=shape.block_size, max_rows=shape.held, granularity=case.granularity,
+                                   frames_known=True)
+
+
 def measure(case: Case, kernels: str, device: torch.device, dtype: torch.dtype, repeats: int, bandwidth: float
             ) -> tuple[Row, list[torch.Tensor]]:
     shape = case.shape
     caches, batch = build(shape, case.granularity, device, dtype)
-    pristine = [c.clone() for c in caches]
     setup = SelectionSetup(get_selector("cords", **dict(case.params)), case.granularity, False,
                            anchor_of(case.anchors, shape.layers), kernels=kernels)
     accessors = [PagedAccessor.of(caches[0], shape.head_size)] * shape.layers
+    with kernels_in_force(kernels):
+        warm = use_triton(device)
+    report = warm_up(caches, accessors, None, setup, server_widths(case)) if warm else None
+    compiled = compiled_variants() if warm else None
+    pristine = [c.clone() for c in caches]
 
     def restore() -> None:
         for c, p in zip(caches, pristine, strict=True):
@@ -262,6 +295,10 @@ def measure(case: Case, kernels: str, device: torch.device, dtype: torch.dtype, 
               wall_ms=statistics.median(walls), wall_min_ms=min(walls),
               gpu_ms=statistics.median(gpus) if gpus else None, busy_ms=busy_ms, launches=launches, syncs=syncs,
               floor_ms=1e3 * floor_bytes / bandwidth, busy_by_kernel=by_kernel)
+    if report is not None:
+        row.warmup_s, row.warmup_variants = report.seconds, len(report.variants)
+        after = compiled_variants()
+        row.compiled_after_warmup = None if compiled is None or after is None else after - compiled
     return row, ids
 
 
@@ -347,6 +384,10 @@ def targets(rows: list[Row]) -> list[tuple[str, bool | None, str]]:
     same = [r.same_ids for r in kernel.values() if r.same_ids is not None]
     if same:
         out.append(("same kept ids as the PyTorch path", all(same), f"{sum(same)} of {len(same)} cases"))
+    after = [r.compiled_after_warmup for r in kernel.values() if r.compiled_after_warmup is not None]
+    if after:
+        out.append(("nothing compiles after the start-up warm-up", sum(after) == 0,
+                    f"{sum(after)} variants in {len(after)} cases"))
     return out
 
 
@@ -367,6 +408,11 @@ def markdown(rows: list[Row], checks: list[tuple[str, bool | None, str]], header
         lines += ["", "| case (triton) | device ms by kernel, largest first |", "|---|---|"]
         lines += [f"| {r.case} | " + ", ".join(f"{name} {ms:.3f}" for name, ms in r.busy_by_kernel.items()) + " |"
                   for r in split]
+    warmed = [r for r in rows if r.warmup_variants is not None]
+    if warmed:  # what a server's start-up compiles for such regions, and whether serving then compiled anything
+        lines += ["", "| case (triton) | warm-up variants | warm-up s | compiled after it |", "|---|---|---|---|"]
+        lines += [f"| {r.case} | {r.warmup_variants} | {r.warmup_s:.1f} | {fmt(r.compiled_after_warmup, 'd')} |"
+                  for r in warmed]
     if checks:
         lines += ["", "| target | result | measured |", "|---|---|---|"]
         lines += [f"| {t} | {'PASS' if ok else 'MISS'} | {m} |" for t, ok, m in checks]

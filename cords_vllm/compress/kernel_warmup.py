@@ -192,10 +192,11 @@ def warm_up(caches: Sequence[torch.Tensor], accessors: Sequence[KVAccessor], cod
     the template compressions launch kernels (collectives too, under tensor parallelism: every rank runs it)."""
     start = time.perf_counter()
     slots = slots_of(torch.arange(1, 1 + TEMPLATE_BLOCKS, device=caches[0].device), accessors[0].block_size)
-    saved = [a.read(c, slots) for a, c in zip(accessors, caches, strict=True)]
+    layers = [(a, c) for a, c in zip(accessors, caches, strict=True) if c.numel()]  # an empty cache holds nothing
+    saved = [a.read(c, slots) for a, c in layers]
     try:
         g = torch.Generator(device="cpu").manual_seed(0)
-        for a, c, (k, _) in zip(accessors, caches, saved, strict=True):
+        for (a, c), (k, _) in zip(layers, saved, strict=True):
             a.write(c, slots, *(_finite(k.shape, k.dtype, g).to(c.device) for _ in range(2)))
         first, later = template_batches(accessors[0].block_size, caches[0].device, widths.labels)
         scratch = torch.zeros((), dtype=torch.long, device=caches[0].device)  # the non-finite count, not the worker's
@@ -204,7 +205,7 @@ def warm_up(caches: Sequence[torch.Tensor], accessors: Sequence[KVAccessor], cod
                                    codecs=codecs)
             compress_region(caches, accessors, held, later, setup, nonfinite=scratch, codecs=codecs)
     finally:
-        for (k, v), a, c in zip(saved, accessors, caches, strict=True):
+        for (a, c), (k, v) in zip(layers, saved, strict=True):
             a.write(c, slots, k, v)
     compiled = variants(recorded, widths)
     for launch in compiled:

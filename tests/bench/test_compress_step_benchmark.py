@@ -31,9 +31,16 @@ def test_the_benchmark_compares_both_implementations_on_every_case(tmp_path: Pat
     assert {r["path"] for r in rows if r["kernels"] == "triton"} == {"fused step"}  # every case: cords, either novelty
     assert {r["path"] for r in rows if r["kernels"] == "torch"} == {"PyTorch"}
     assert all(r["floor_ms"] > 0 and r["wall_ms"] > 0 for r in rows)
+    # each kernel row ran the start-up warm-up for its region's server first; a GPU counts what compiled after it
+    assert all(r["warmup_variants"] > 0 for r in rows if r["kernels"] == "triton")
+    assert all(r["warmup_variants"] is None for r in rows if r["kernels"] == "torch")
     if device == "cpu":
         assert result["targets"] == []  # the targets are a GPU's; none is claimed on CPU
-    assert "| frame, anchors [0] | triton | fused step |" in (tmp_path / "compress_step.md").read_text()
+        assert all(r["compiled_after_warmup"] is None for r in rows)  # the interpreter compiles nothing
+    else:
+        assert all(r["compiled_after_warmup"] == 0 for r in rows if r["kernels"] == "triton")
+    table = (tmp_path / "compress_step.md").read_text()
+    assert "| frame, anchors [0] | triton | fused step |" in table and "| warm-up variants |" in table
     assert "same ids True" in capsys.readouterr().out
 
 

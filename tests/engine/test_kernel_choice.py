@@ -15,6 +15,7 @@ import re
 import pytest
 
 import cords_vllm.integration.worker.compressor as compressor
+from cords_vllm.compress import kernel_warmup
 from cords_vllm.config import KVPolicyConfig, KVPolicyConfigError, kv_policy_args
 from cords_vllm.integration.inprocess.llm import make_llm
 from cords_vllm.integration.worker.hooks import attached_compressor
@@ -33,12 +34,18 @@ class _Lines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def test_the_kernels_key_reaches_the_workers_and_both_paths_keep_the_same_tokens(tiny_model):
+def test_the_kernels_key_reaches_the_workers_and_both_paths_keep_the_same_tokens(tiny_model, monkeypatch):
+    """(The Triton run's start-up warm-up fails here, on purpose: the worker says why and serves.)"""
     prompts = [{"prompt": VIDEO_PROMPT, "multi_modal_data": {"video": video(48)}}]
     worker_log = logging.getLogger(compressor.__name__)
     lines, level = _Lines(), worker_log.level
     worker_log.addHandler(lines)
     worker_log.setLevel(logging.INFO)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no compiler today")
+
+    monkeypatch.setattr(kernel_warmup, "warm_up", broken)
     try:
         runs = {kernels: run_engine(tiny_model, prompts, "cords", max_tokens=4, budget=256, slack=64,
                                     granularity="frame", kernels=kernels) for kernels in ("torch", "triton")}
@@ -47,6 +54,7 @@ def test_the_kernels_key_reaches_the_workers_and_both_paths_keep_the_same_tokens
         worker_log.setLevel(level)
     log = "\n".join(lines.lines)
     assert re.search(r"compress step on \S+: PyTorch reference \(forced; kernels=torch", log)
+    assert "kernel warm-up failed (RuntimeError: no compiler today); each width compiles at its first" in log
     assert re.search(r"compress step on \S+: Triton kernels \(kernels=triton, from kv_policy_config 'kernels'\); "
                      r"fused step: no, the greedy kernel and the copy \(the KV cache is not the paged view", log)
     torch_run, triton_run = runs["torch"], runs["triton"]
@@ -118,3 +126,12 @@ def test_kernels_round_trips_through_the_configuration():
     config = KVPolicyConfig.parse("cords", {"kernels": "torch"})
     assert config.kernels == "torch" and KVPolicyConfig.parse("cords", config.to_json()) == config
     assert "kernels" not in KVPolicyConfig.parse("cords", {}).to_json()
+
+
+@pytest.mark.parametrize("value", ["no", 0, 1, None])
+def test_warmup_takes_true_or_false(value):
+    with pytest.raises(KVPolicyConfigError, match="'warmup' must be true or false"):
+        KVPolicyConfig.parse("cords", {"warmup": value})
+    config = KVPolicyConfig.parse("cords", {"warmup": False})
+    assert not config.warmup and KVPolicyConfig.parse("cords", {}).warmup
+    assert KVPolicyConfig.parse("cords", config.to_json()) == config

@@ -264,14 +264,24 @@ class WorkerCompressor:
                         "start-up compression has; its copy kernel compiles at its first compression",
                         self.config.policy)
             return
-        from cords_vllm.compress.kernel_warmup import WarmupWidths, warm_up
+        from cords_vllm.compress.kernel_warmup import TEMPLATE_BLOCKS, WarmupWidths, warm_up
 
+        if runner.kv_cache_config.num_blocks <= TEMPLATE_BLOCKS:
+            logger.warning("cords-vllm: kernel warm-up skipped: a pool of %d KV blocks leaves no %d free for its "
+                           "compressions; each width compiles at its first compression",
+                           runner.kv_cache_config.num_blocks, TEMPLATE_BLOCKS)
+            return
         max_len = runner.vllm_config.model_config.max_model_len
         max_rows = min(max_len, self.config.stream_footprint_blocks(max_len, self.block_size) * self.block_size)
         widths = WarmupWidths.for_server(
             budget=self.config.budget, slack=self.config.slack, block_size=self.block_size,
             max_rows=max_rows, granularity=self.config.granularity, frames_known=self.facts.finds_frames)
-        self.warmup = warm_up(self.caches, self.accessors, self.codecs, self.setup, widths)
+        try:
+            self.warmup = warm_up(self.caches, self.accessors, self.codecs, self.setup, widths)
+        except Exception as exc:  # an optimisation: say why it did not run, and serve (compiles at first use)
+            logger.warning("cords-vllm: kernel warm-up failed (%s: %s); each width compiles at its first "
+                           "compression", type(exc).__name__, exc, exc_info=exc)
+            return
         logger.info("cords-vllm: kernel warm-up: %s%s", self.warmup.describe(),
                     " (interpreted: nothing to compile)" if interpreting() else "")
 
