@@ -19,8 +19,9 @@ granularity and anchor set, with each implementation (``--kernels``). Per row:
 
 Each kernel row first runs the start-up warm-up (:mod:`cords_vllm.compress.kernel_warmup`) for a server whose
 compressions take this region (budget: the kept video tokens; slack: the rest of the region's video): a third table
-gives its variants and seconds (on a fresh machine, the compiles a server's start-up adds; later, Triton's disk
-cache) and how many kernel variants the row's own compressions compiled after it, which must be none.
+gives its variants and seconds (on a fresh machine, the compiles a server's start-up adds, less what earlier rows
+compiled already; later, Triton's disk cache) and how many kernel variants the row's own compressions compiled after
+it, which must be none.
 
 It ends with the issue's targets (frame <= 1 ms, block <= 2 ms, token <= 15 ms, anchors [0, 2, 4] <= 1.5x
 anchors [0], <= 1 sync and <= 16 launches per compression), each PASS or MISS, and writes

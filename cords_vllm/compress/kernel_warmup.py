@@ -32,7 +32,6 @@ No vLLM import.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -47,8 +46,6 @@ from cords_vllm.compress.unit_choice import AUTO
 from cords_vllm.kernel_backend import Launch, recording
 from cords_vllm.selection import cords_triton
 from cords_vllm.utils import cdiv
-
-logger = logging.getLogger(__name__)
 
 #: Blocks a template compression uses (block 0, vLLM's null block, is never written): a block of text, then frames.
 TEMPLATE_BLOCKS = 5
