@@ -237,15 +237,16 @@ def server_widths(case: Case) -> WarmupWidths:
                                    frames_known=True)
 
 
-def measure(case: Case, kernels: str, device: torch.device, dtype: torch.dtype, repeats: int, bandwidth: float
-            ) -> tuple[Row, list[torch.Tensor]]:
+def measure(case: Case, kernels: str, device: torch.device, dtype: torch.dtype, repeats: int, bandwidth: float,
+            warm: bool = True) -> tuple[Row, list[torch.Tensor]]:
+    """One row: ``case`` with ``kernels``; with ``warm``, the kernel path's start-up warm-up first."""
     shape = case.shape
     caches, batch = build(shape, case.granularity, device, dtype)
     setup = SelectionSetup(get_selector("cords", **dict(case.params)), case.granularity, False,
                            anchor_of(case.anchors, shape.layers), kernels=kernels)
     accessors = [PagedAccessor.of(caches[0], shape.head_size)] * shape.layers
     with kernels_in_force(kernels):
-        warm = use_triton(device)
+        warm = warm and use_triton(device)
     report = warm_up(caches, accessors, None, setup, server_widths(case)) if warm else None
     compiled = compiled_variants() if warm else None
     pristine = [c.clone() for c in caches]
@@ -329,7 +330,7 @@ def sweep_warps(chosen: list[Case], device: torch.device, dtype: torch.dtype, re
                     return w
                 setattr(module, name, forced)
                 try:
-                    row, ids = measure(case, "triton", device, dtype, repeats, bandwidth)
+                    row, ids = measure(case, "triton", device, dtype, repeats, bandwidth, warm=False)
                 finally:
                     setattr(module, name, rule)
                 today = warps in picked[:1]
