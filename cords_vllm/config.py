@@ -192,9 +192,7 @@ class KVPolicyConfig:
                 f"kv_policy_config key 'granularity' must be one of {[AUTO, *GRANULARITIES]}, got {granularity!r}"
             )
         min_units = _int(engine, "min_units", DEFAULT_MIN_UNITS, minimum=1)
-        per_head = engine.get("per_head", False)
-        if not isinstance(per_head, bool):
-            raise KVPolicyConfigError(f"kv_policy_config key 'per_head' must be true or false, got {per_head!r}")
+        per_head = _bool(engine, "per_head", False)
         compressed_layers = engine.get("compressed_layers")
         if compressed_layers is not None:
             compressed_layers = _int(engine, "compressed_layers", 1, minimum=1)
@@ -205,9 +203,7 @@ class KVPolicyConfig:
         if kernels is not None and kernels not in KERNEL_CHOICES:
             raise KVPolicyConfigError(
                 f"kv_policy_config key 'kernels' must be one of {list(KERNEL_CHOICES)}, got {kernels!r}")
-        warmup = engine.get("warmup", True)
-        if not isinstance(warmup, bool):
-            raise KVPolicyConfigError(f"kv_policy_config key 'warmup' must be true or false, got {warmup!r}")
+        warmup = _bool(engine, "warmup", True)
         if kernels is None:
             try:
                 requested_kernels()  # the environment's choice, checked at start-up rather than per compression
@@ -352,6 +348,13 @@ def _int(values: Mapping[str, Any], key: str, default: int, *, minimum: int) -> 
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise KVPolicyConfigError(f"kv_policy_config key {key!r} must be an integer >= {minimum}, got {value!r}",
                                   key)
+    return value
+
+
+def _bool(values: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = values.get(key, default)
+    if not isinstance(value, bool):
+        raise KVPolicyConfigError(f"kv_policy_config key {key!r} must be true or false, got {value!r}", key)
     return value
 
 
