@@ -304,9 +304,10 @@ def cords_greedy_triton(feats: torch.Tensor, key_dim: int, valid: torch.Tensor, 
     # validity, and the units padded with invalid ones to a multiple of UNIT_ROWS (the kernel specializes on the unit
     # count: its Gram rows' alignment).
     pad = -m_units % UNIT_ROWS
-    valid = torch.nn.functional.pad(valid.to(torch.int8), (0, pad))
+    valid = valid.to(torch.int8)
     if pad:
         feats = torch.nn.functional.pad(feats, (0, 0, 0, pad))
+        valid = torch.nn.functional.pad(valid, (0, pad))
         m_units += pad
     keys, values = feats[..., :key_dim], feats[..., key_dim:]
     kn = torch.linalg.vector_norm(keys, dim=-1) if terms.need_k else feats.new_zeros((p_count, m_units))
