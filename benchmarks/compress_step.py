@@ -46,8 +46,8 @@ from pathlib import Path
 
 import torch
 
-from cords_vllm.compress import copy_triton, step_triton
-from cords_vllm.compress.kernel_warmup import WarmupWidths, warm_up
+from cords_vllm.compress import step_triton
+from cords_vllm.compress.kernel_warmup import WarmupWidths, compiled_variants, warm_up
 from cords_vllm.compress.kv_access import PagedAccessor, slots_of
 from cords_vllm.compress.step import RegionBatch, SelectionSetup, compress_region
 from cords_vllm.compress.unit_choice import AUTO, compression_unit
@@ -215,16 +215,6 @@ def count_launches_and_syncs(run, device: torch.device
     synchronize(device)
     syncs = sum("synchronizing" in str(w.message) for w in caught)
     return launches, syncs, busy_ms, by_kernel
-
-
-def compiled_variants() -> int | None:
-    """Kernel variants Triton holds compiled over the compress step's kernels (``None`` where none compile: the
-    interpreter, or a Triton that keeps them elsewhere)."""
-    kernels = [step_triton._compiled(False, k) for k in step_triton.NOT_SPECIALIZED]
-    kernels += [cords_triton._compiled(False), copy_triton._compiled(False)]
-    if not all(hasattr(k, "device_caches") for k in kernels):
-        return None
-    return sum(len(cache[0]) for k in kernels for cache in k.device_caches.values())
 
 
 def server_widths(case: Case) -> WarmupWidths:

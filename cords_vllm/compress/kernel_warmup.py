@@ -38,7 +38,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from cords_vllm.compress import step_triton
+from cords_vllm.compress import copy_triton, step_triton
 from cords_vllm.compress.kv_access import KVAccessor, slots_of
 from cords_vllm.compress.kv_codec import KVCodec
 from cords_vllm.compress.step import RegionBatch, SelectionSetup, compress_region
@@ -208,3 +208,14 @@ def warm_up(caches: Sequence[torch.Tensor], accessors: Sequence[KVAccessor], cod
     for launch in compiled:
         launch.kernel.warmup(*launch.args, grid=launch.grid, **launch.kwargs)
     return WarmupReport(widths, tuple(compiled), time.perf_counter() - start)
+
+
+def compiled_variants() -> int | None:
+    """Kernel variants Triton holds compiled over every kernel a compression launches (its JIT caches), to check
+    that nothing compiles after :func:`warm_up`; ``None`` where none compile (the interpreter) or where this Triton
+    keeps them elsewhere."""
+    kernels = [step_triton._compiled(False, k) for k in step_triton.NOT_SPECIALIZED]
+    kernels += [cords_triton._compiled(False), copy_triton._compiled(False)]
+    if not all(hasattr(k, "device_caches") for k in kernels):
+        return None
+    return sum(len(cache[0]) for k in kernels for cache in k.device_caches.values())
