@@ -1,9 +1,10 @@
-"""First compressions of several requests' regions, each in its own blocks of one cache: the shared input of the
-tests of a step's compressions together and of the kernels' compile variants."""
+"""First and later compressions of several requests' regions, each in its own blocks of one cache: the shared input of
+the tests of a step's compressions together, of the kernels' compile variants and of the warm-up."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
@@ -31,3 +32,19 @@ def first_batches(requests: Sequence[tuple[int, int, int, str]], frame: int, blo
             frame_tokens=frame, granularity=unit))
     assert first <= blocks
     return out
+
+
+def later_batch(batch: RegionBatch, text: int, block_size: int) -> RegionBatch:
+    """The request's next compression after ``batch`` (whose ``text`` protected tokens lead the region): its kept
+    blocks only, to one block fewer, with the same recent window."""
+    kept = batch.dst_slots.view(-1, block_size)[:, 0] // block_size
+    keep = kept.numel() - 1
+    return replace(batch, src_slots=slots_of(kept, block_size), dst_slots=slots_of(kept[:keep], block_size),
+                   new_ids=batch.new_ids[:0], new_labels=None if batch.new_labels is None else batch.new_labels[:0],
+                   num_keep=keep * block_size, num_keep_candidates=keep * block_size - text - batch.num_recent,
+                   num_candidates=kept.numel() * block_size - text - batch.num_recent)
+
+
+def on_device(batch: RegionBatch, device: torch.device | str) -> RegionBatch:
+    """``batch`` with its tensors on ``device``."""
+    return RegionBatch(**{f: v.to(device) if isinstance(v, torch.Tensor) else v for f, v in vars(batch).items()})

@@ -24,6 +24,7 @@ from cords_vllm.compress.kv_codec import PlainCodec, codec_for
 from cords_vllm.compress.step import HOST_SYNCS_PER_COMPRESSION, RegionBatch, SelectionSetup, compress_region
 from cords_vllm.selection import get_selector
 from tests.compress.device_audit import HostSyncCounter
+from tests.compress.regions import on_device
 
 pytest.importorskip("triton")
 
@@ -67,10 +68,6 @@ def _caches(layers: int, layout: str, dtype: torch.dtype, shared: bool, device: 
     return [r.to(device).permute(*inverse) for r in raw]
 
 
-def _on(batch: RegionBatch, device: str) -> RegionBatch:
-    return RegionBatch(**{f: v.to(device) if isinstance(v, torch.Tensor) else v for f, v in vars(batch).items()})
-
-
 def _first(granularity: str, keep_blocks: int, region: int = REGION) -> RegionBatch:
     blocks = torch.tensor([3, 9, 4, 11, 2, 17, 6, 20, 7, 13, 8, 25, 10, 21, 12, 29, 14][:region])
     n_video = min(region * BS, TEXT + FRAMES * FRAME) - TEXT
@@ -105,9 +102,9 @@ def _run(kernels: str, caches: list[torch.Tensor], anchors: tuple[int, ...], gra
     codecs = [codec_for("fp8_e4m3", 0.5, 0.25) if caches[0].dtype == torch.uint8 else PlainCodec()] * len(caches)
     device = str(caches[0].device)
     first = _first(granularity, 10)
-    held = compress_region(caches, accessors, [None] * len(caches), _on(first, device), setup, codecs=codecs)
+    held = compress_region(caches, accessors, [None] * len(caches), on_device(first, device), setup, codecs=codecs)
     if twice:
-        held = compress_region(caches, accessors, held, _on(_second(granularity, first.src_slots, 10), device),
+        held = compress_region(caches, accessors, held, on_device(_second(granularity, first.src_slots, 10), device),
                                setup, codecs=codecs)
     return held
 

@@ -15,17 +15,15 @@ Triton's default would, give several variants, so the sizes do vary.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 
 from cords_vllm.compress import copy_triton, step_triton
-from cords_vllm.compress.kv_access import PagedAccessor, slots_of
+from cords_vllm.compress.kv_access import PagedAccessor
 from cords_vllm.compress.step import RegionBatch, RegionCompression, SelectionSetup, compress_region, compress_regions
 from cords_vllm.selection import cords_triton, get_selector
 from tests.compress.device_audit import watch_launches
-from tests.compress.regions import first_batches
+from tests.compress.regions import first_batches, later_batch
 from tests.compress.specialization import specialization as _specialization
 
 pytest.importorskip("triton")
@@ -37,15 +35,6 @@ REQUESTS = ((5, 6, 4), (6, 7, 5), (8, 8, 7), (7, 6, 6))
 
 def _batches(granularity: str) -> list[RegionBatch]:
     return first_batches([(text, frames, keep, granularity) for text, frames, keep in REQUESTS], FRAME, BS, BLOCKS)
-
-
-def _second(batch: RegionBatch, text: int) -> RegionBatch:
-    """The request's next compression: its kept blocks only, to one block fewer."""
-    kept = batch.dst_slots.view(-1, BS)[:, 0] // BS
-    keep = kept.numel() - 1
-    return replace(batch, src_slots=slots_of(kept, BS), dst_slots=slots_of(kept[:keep], BS),
-                   new_ids=batch.new_ids[:0], new_labels=batch.new_labels[:0], num_keep=keep * BS,
-                   num_keep_candidates=keep * BS - text, num_candidates=kept.numel() * BS - text)
 
 
 @pytest.mark.parametrize("granularity", ["token", "block", "frame"])
@@ -68,9 +57,9 @@ def test_each_kernel_compiles_once_whatever_the_sizes(monkeypatch, granularity):
     texts = [text for text, _, _ in REQUESTS]
     held = [compress_region(caches, accessors, [None] * LAYERS, b, setup) for b in batches[:2]]  # alone
     for h, b, text in zip(held, batches, texts, strict=False):
-        compress_region(caches, accessors, h, _second(b, text), setup)
+        compress_region(caches, accessors, h, later_batch(b, text, BS), setup)
     held = compress_regions(caches, accessors, [RegionCompression([None] * LAYERS, b) for b in batches[1:]], setup)
-    compress_regions(caches, accessors, [RegionCompression(h, _second(b, text)) for h, b, text in
+    compress_regions(caches, accessors, [RegionCompression(h, later_batch(b, text, BS)) for h, b, text in
                                          zip(held, batches[1:], texts[1:], strict=True)], setup)
 
     labels = {label for label, *_ in launches}

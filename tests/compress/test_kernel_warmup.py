@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from cords_vllm.compress import copy_triton, kernel_warmup, step_triton
 from cords_vllm.compress.kernel_warmup import WarmupWidths, warm_up
-from cords_vllm.compress.kv_access import PagedAccessor, slots_of
+from cords_vllm.compress.kv_access import PagedAccessor
 from cords_vllm.compress.plan import (
     BudgetSettings,
     CandidateSpans,
@@ -30,10 +30,10 @@ from cords_vllm.compress.plan import (
     next_compression_point,
     plan_compression,
 )
-from cords_vllm.compress.step import RegionBatch, RegionCompression, SelectionSetup, compress_region, compress_regions
+from cords_vllm.compress.step import RegionCompression, SelectionSetup, compress_region, compress_regions
 from cords_vllm.selection import cords_triton, get_selector
 from tests.compress.device_audit import watch_launches
-from tests.compress.regions import first_batches
+from tests.compress.regions import first_batches, later_batch, on_device
 from tests.compress.specialization import specialization
 
 pytest.importorskip("triton")
@@ -110,23 +110,6 @@ def _keys(launches) -> set:
     return {(launch.name, *specialization(launch.kernel, launch.args, launch.kwargs)) for launch in launches}
 
 
-def _second(batch: RegionBatch, text: int) -> RegionBatch:
-    """The request's next compression: its kept blocks only, to one block fewer."""
-    kept = batch.dst_slots.view(-1, BS)[:, 0] // BS
-    keep = kept.numel() - 1
-    return replace(batch, src_slots=slots_of(kept, BS), dst_slots=slots_of(kept[:keep], BS),
-                   new_ids=batch.new_ids[:0], new_labels=None if batch.new_labels is None else batch.new_labels[:0],
-                   num_keep=keep * BS,
-                   num_keep_candidates=keep * BS - text - batch.num_recent,
-                   num_candidates=kept.numel() * BS - text - batch.num_recent)
-
-
-def _on(batch: RegionBatch, device: torch.device) -> RegionBatch:
-    return replace(batch, src_slots=batch.src_slots.to(device), dst_slots=batch.dst_slots.to(device),
-                   new_ids=batch.new_ids.to(device), spans=batch.spans.to(device),
-                   new_labels=None if batch.new_labels is None else batch.new_labels.to(device))
-
-
 def _compress_requests(caches, accessors, setup, granularity: str) -> None:
     """:data:`REQUESTS`' first and later compressions, alone and together, as the worker runs them (frame labels
     where the granularity reads frames, the non-finite count)."""
@@ -138,17 +121,19 @@ def _compress_requests(caches, accessors, setup, granularity: str) -> None:
     if granularity != "frame":
         batches = [replace(b, new_labels=None) for b in batches]
     texts = [text for text, _, _ in REQUESTS]
+    firsts = [on_device(b, device) for b in batches]
+    laters = [later_batch(b, text, BS) for b, text in zip(firsts, texts, strict=True)]
+    for c in (*firsts, *laters):
+        assert BUDGET + SLACK - BS < c.src_slots.numel() <= MAX_ROWS
+        assert BUDGET + SLACK - BS - RECENT < c.num_candidates <= BUDGET + SLACK + 2 * BS
     nonfinite = torch.zeros((), dtype=torch.long, device=device)
-    for b, text in zip(batches, texts, strict=True):
-        for c in (b, _second(b, text)):
-            assert BUDGET + SLACK - BS < c.src_slots.numel() <= MAX_ROWS
-            assert BUDGET + SLACK - BS - RECENT < c.num_candidates <= BUDGET + SLACK + 2 * BS
-        held = compress_region(caches, accessors, [None] * LAYERS, _on(b, device), setup, nonfinite=nonfinite)
-        compress_region(caches, accessors, held, _on(_second(b, text), device), setup, nonfinite=nonfinite)
-    held = compress_regions(caches, accessors, [RegionCompression([None] * LAYERS, _on(b, device)) for b in batches],
-                            setup, nonfinite=nonfinite)
-    compress_regions(caches, accessors, [RegionCompression(h, _on(_second(b, text), device)) for h, b, text in
-                                         zip(held, batches, texts, strict=True)], setup, nonfinite=nonfinite)
+    for first, later in zip(firsts, laters, strict=True):
+        held = compress_region(caches, accessors, [None] * LAYERS, first, setup, nonfinite=nonfinite)
+        compress_region(caches, accessors, held, later, setup, nonfinite=nonfinite)
+    held = compress_regions(caches, accessors, [RegionCompression([None] * LAYERS, b) for b in firsts], setup,
+                            nonfinite=nonfinite)
+    compress_regions(caches, accessors, [RegionCompression(h, b) for h, b in zip(held, laters, strict=True)], setup,
+                     nonfinite=nonfinite)
 
 
 def _real_launches(monkeypatch, caches, accessors, setup, granularity: str) -> set:

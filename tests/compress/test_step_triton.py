@@ -24,6 +24,7 @@ from cords_vllm.compress.kv_access import PagedAccessor, slots_of
 from cords_vllm.compress.kv_codec import codec_for
 from cords_vllm.compress.step import RegionBatch, SelectionSetup, compress_region, describe_path
 from cords_vllm.selection import get_selector
+from tests.compress.regions import on_device
 
 pytest.importorskip("triton")
 tl = step_triton.tl
@@ -120,10 +121,6 @@ def _batch(stream: Stream, granularity: str, held_ids: torch.Tensor | None, held
         num_recent=recent)
 
 
-def _on(batch: RegionBatch) -> RegionBatch:
-    return RegionBatch(**{f: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for f, v in vars(batch).items()})
-
-
 #: fp8 caches: the element type and the bytes of NaN (e4m3fn has no inf; e5m2's inf is the one non-finite byte it
 #: shares with an overflowing number).
 FP8 = {"fp8_e4m3": (torch.float8_e4m3fn, 0x7F), "fp8_e5m2": (torch.float8_e5m2, 0x7E)}
@@ -171,7 +168,7 @@ def _compress_twice(kernels: str, seed: int, policy: str, granularity: str, per_
     region = int(stream.spans[0, 1]) // BS  # the first video's blocks, the last cut by the block edge
     first = _batch(stream, granularity, None, 0, 0, region, block_ids, g, fraction)
     assert first is not None
-    held = compress_region(caches, accessors, [None] * LAYERS, _on(first), setup, nonfinite=nonfinite,
+    held = compress_region(caches, accessors, [None] * LAYERS, on_device(first, DEVICE), setup, nonfinite=nonfinite,
                            codecs=codecs)
     out = [([(h.ids.cpu(), h.candidates.cpu(), None if h.labels is None else h.labels.cpu()) for h in held],
             [c.cpu().clone() for c in caches], int(nonfinite))]
@@ -182,7 +179,8 @@ def _compress_twice(kernels: str, seed: int, policy: str, granularity: str, per_
     if second is not None:
         if then is not None:
             setup = dataclasses.replace(setup, kernels=then)
-        held = compress_region(caches, accessors, held, _on(second), setup, nonfinite=nonfinite, codecs=codecs)
+        held = compress_region(caches, accessors, held, on_device(second, DEVICE), setup, nonfinite=nonfinite,
+                               codecs=codecs)
         out.append(([(h.ids.cpu(), h.candidates.cpu(), None if h.labels is None else h.labels.cpu()) for h in held],
                     [c.cpu().clone() for c in caches], int(nonfinite)))
     return out
