@@ -143,7 +143,9 @@ def test_stacked_under_the_greedy_kernel_equal_each_alone(spec):
     common unit count is one launch and each problem keeps what it keeps alone."""
     from cords_vllm.kernel_backend import kernels_in_force
 
-    problems = [p for p in _problems(1) if p["granularity"] != "token"]  # few units: quick under the interpreter
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # compiled on a GPU, else interpreted
+    problems = [{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in p.items()}
+                for p in _problems(1) if p["granularity"] != "token"]  # few units: quick under the interpreter
     with kernels_in_force("triton"):
         assert _differences(_selector(spec), problems) == []
 
