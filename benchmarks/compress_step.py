@@ -240,13 +240,14 @@ def measure(case: Case, kernels: str, device: torch.device, dtype: torch.dtype, 
     report = warm_up(caches, accessors, None, setup, server_widths(case)) if warm else None
     compiled = compiled_variants() if warm else None
     pristine = [c.clone() for c in caches]
+    nonfinite = torch.zeros((), dtype=torch.long, device=device)  # the worker's count, which it always keeps
 
     def restore() -> None:
         for c, p in zip(caches, pristine, strict=True):
             c.copy_(p)
 
     def run() -> list:
-        return compress_region(caches, accessors, [None] * shape.layers, batch, setup)
+        return compress_region(caches, accessors, [None] * shape.layers, batch, setup, nonfinite=nonfinite)
 
     held = run()  # warm-up (compiles the kernels); its kept ids are the row's
     ids = [h.ids.cpu() for h in held]
@@ -411,6 +412,21 @@ def markdown(rows: list[Row], checks: list[tuple[str, bool | None, str]], header
     return "\n".join(lines) + "\n"
 
 
+def save(out: Path, header: dict, rows: list[Row], device: torch.device, sweep: list[dict]) -> str:
+    """Write ``compress_step.json`` and ``compress_step.md`` to ``out`` (the targets on CUDA); returns the table."""
+    checks = targets(rows) if device.type == "cuda" else []
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "compress_step.json").write_text(json.dumps(
+        {"header": header, "rows": [asdict(r) for r in rows],
+         "targets": [{"target": t, "met": ok, "measured": m} for t, ok, m in checks], "warps": sweep},
+        indent=2) + "\n")
+    table = markdown(rows, checks, header)
+    if sweep:
+        table += "\nWall ms of the fused step by warps (today's rule in bold):\n\n" + sweep_markdown(sweep)
+    (out / "compress_step.md").write_text(table)
+    return table
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -446,23 +462,16 @@ def main(argv: list[str] | None = None) -> int:
                 row.same_ids = all(torch.equal(a, b) for a, b in zip(reference[1], ids, strict=True))
                 row.x_torch = reference[0].wall_ms / row.wall_ms
             rows.append(row)
+            split = ", ".join(f"{name} {ms:.2f}" for name, ms in (row.busy_by_kernel or {}).items())
             print(f"{case.name:32s} {kernels:6s} wall {row.wall_ms:9.2f} ms  GPU {row.gpu_ms or 0:8.2f} ms  "
-                  f"launches {row.launches}  syncs {row.syncs}  same ids {row.same_ids}", flush=True)
-    checks = targets(rows) if device.type == "cuda" else []
+                  f"launches {row.launches}  syncs {row.syncs}  same ids {row.same_ids}"
+                  + (f"  busy ms: {split}" if split else ""), flush=True)
+            save(args.out, header, rows, device, [])  # so far: a run cut short keeps its rows
     sweep = []
     if args.sweep_warps:
         chosen = [c for c in cases(args.quick) if c.name in SWEEP_CASES and (not args.only or args.only in c.name)]
         sweep = sweep_warps(chosen, device, dtype, args.repeats or 10, bandwidth, kept)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "compress_step.json").write_text(json.dumps(
-        {"header": header, "rows": [asdict(r) for r in rows],
-         "targets": [{"target": t, "met": ok, "measured": m} for t, ok, m in checks], "warps": sweep},
-        indent=2) + "\n")
-    table = markdown(rows, checks, header)
-    if sweep:
-        table += "\nWall ms of the fused step by warps (today's rule in bold):\n\n" + sweep_markdown(sweep)
-    (args.out / "compress_step.md").write_text(table)
-    print(table)
+    print(save(args.out, header, rows, device, sweep))
     same = [r.same_ids for r in rows] + [r["same_ids"] for r in sweep]
     return 0 if all(x is not False for x in same) else 1
 

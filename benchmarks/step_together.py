@@ -93,17 +93,19 @@ def measure(shape: RegionShape, requests: int, repeats: int, kernels: str = "tor
     accessors = [PagedAccessor.of(caches[0], shape.head_size)] * shape.layers
     setup = SelectionSetup(get_selector("cords"), granularity, False, (0,) * shape.layers, kernels=kernels)
     sync = torch.cuda.synchronize if caches[0].device.type == "cuda" else (lambda: None)
+    nonfinite = torch.zeros((), dtype=torch.long, device=caches[0].device)  # the worker's count, which it always keeps
 
     def restore() -> None:
         for c, p in zip(caches, pristine, strict=True):
             c.copy_(p)
 
     def alone() -> list:
-        return [compress_region(caches, accessors, [None] * shape.layers, b, setup) for b in batches]
+        return [compress_region(caches, accessors, [None] * shape.layers, b, setup, nonfinite=nonfinite)
+                for b in batches]
 
     def together() -> list:
         return compress_regions(caches, accessors, [RegionCompression([None] * shape.layers, b) for b in batches],
-                                setup)
+                                setup, nonfinite=nonfinite)
 
     results, times = {}, {"alone": [], "together": []}
     for name, run in (("alone", alone), ("together", together)):  # a warm-up run of each, kept for the check
