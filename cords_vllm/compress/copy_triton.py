@@ -37,9 +37,9 @@ try:
 except ImportError:
     triton = tl = None
 
-#: Rows per tile, channel bytes per program and warps per program of the copy: the fastest of eight settings on an
-#: H100 at a 7B model's shape (0.47-0.57 ms against 0.84-29 ms, ``benchmarks/compress_step.py``'s copy).
-TILE_ROWS, CHUNK_BYTES, WARPS = 256, 256, 8
+#: Rows per tile, channel bytes per program and warps per program of the copy: the fastest of 18 settings on an H100
+#: at a 7B model's shape (0.37 ms against 0.40-0.60 ms, one at 4.0 ms; its floor 0.27 ms), with 16-byte accesses.
+TILE_ROWS, CHUNK_BYTES, WARPS = 128, 128, 4
 #: The copy's arguments Triton must not specialize, so that a compression of another size compiles nothing: the kept
 #: count and the kept positions' strides (which Triton would otherwise compile a variant for at the value 1 and at
 #: multiples of 16) and the positions and slots, which may be views at varying offsets (alignment).
@@ -51,33 +51,37 @@ _RAW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 def _copy_kernel(base_ptr, offsets_ptr, rows_ptr, pos_ptr, src_ptr, dst_ptr,
                  num_keep, heads, channels,
                  s_block, s_head, s_offset, s_channel, pos_s_anchor, pos_s_head, pos_s_row,
-                 BLOCK_SIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+                 BLOCK_SIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, ALIGN: tl.constexpr):
     """Program (layer * heads + head, channel chunk): rows ``0 .. num_keep`` of that head, a tile at a time, in
     order. Tile ``b + 1`` is read before tile ``b`` is written: it reads rows ``>= (b + 1) * BLOCK_T``, which tile
-    ``b`` does not write, so the next tile's reads overlap this one's writes."""
+    ``b`` does not write, so the next tile's reads overlap this one's writes.
+
+    ``ALIGN``: every token's channels start at a multiple of ``ALIGN`` elements (16 bytes, checked by the caller:
+    the layers' offsets, the strides, the channel count), so the compiler moves 16 bytes per access instead of one
+    element (the layers' offsets are read from memory, which it cannot see into); 1 where that does not hold."""
     pid = tl.program_id(0)
     layer = pid // heads
     head = (pid % heads).to(tl.int64)
-    cache = base_ptr + tl.load(offsets_ptr + layer)
+    cache = base_ptr + tl.multiple_of(tl.load(offsets_ptr + layer), ALIGN)
     pos_row = pos_ptr + tl.load(rows_ptr + layer) * pos_s_anchor + head * pos_s_head
-    ch = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    ch = tl.max_contiguous(tl.multiple_of(tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C), BLOCK_C), BLOCK_C)
     ch_off = (ch.to(tl.int64) * s_channel)[None, :]
     ch_in = (ch < channels)[None, :]
     rows = tl.arange(0, BLOCK_T)
 
     t_in = rows < num_keep
     src = tl.load(src_ptr + tl.load(pos_row + rows * pos_s_row, mask=t_in, other=0), mask=t_in, other=0)
-    src_at = (src // BLOCK_SIZE) * s_block + head * s_head + (src % BLOCK_SIZE) * s_offset
+    src_at = tl.multiple_of((src // BLOCK_SIZE) * s_block + head * s_head + (src % BLOCK_SIZE) * s_offset, ALIGN)
     tile = tl.load(cache + src_at[:, None] + ch_off, mask=t_in[:, None] & ch_in)
     for t0 in range(0, num_keep, BLOCK_T):
         t = t0 + rows
         t_in = t < num_keep
         dst = tl.load(dst_ptr + t, mask=t_in, other=0)
-        dst_at = (dst // BLOCK_SIZE) * s_block + head * s_head + (dst % BLOCK_SIZE) * s_offset
+        dst_at = tl.multiple_of((dst // BLOCK_SIZE) * s_block + head * s_head + (dst % BLOCK_SIZE) * s_offset, ALIGN)
         n = t + BLOCK_T  # the next tile, read ahead
         n_in = n < num_keep
         src = tl.load(src_ptr + tl.load(pos_row + n * pos_s_row, mask=n_in, other=0), mask=n_in, other=0)
-        src_at = (src // BLOCK_SIZE) * s_block + head * s_head + (src % BLOCK_SIZE) * s_offset
+        src_at = tl.multiple_of((src // BLOCK_SIZE) * s_block + head * s_head + (src % BLOCK_SIZE) * s_offset, ALIGN)
         ahead = tl.load(cache + src_at[:, None] + ch_off, mask=n_in[:, None] & ch_in)
         tl.debug_barrier()  # every thread has read this tile before any of it is written
         tl.store(cache + dst_at[:, None] + ch_off, tile, mask=t_in[:, None] & ch_in)
@@ -146,4 +150,18 @@ def copy_kept(caches: Sequence[torch.Tensor], positions: torch.Tensor, anchor_ro
         grid = (len(layers) * heads, triton.cdiv(channels, block_c))
         launch("copy", kernel, grid, base, offsets, rows, positions, src_slots, dst_slots, num_keep, heads, channels,
                s_block, s_head, s_offset, s_channel, *positions.stride(),
-               BLOCK_SIZE=block_size, BLOCK_T=TILE_ROWS, BLOCK_C=block_c, num_warps=WARPS)
+               BLOCK_SIZE=block_size, BLOCK_T=TILE_ROWS, BLOCK_C=block_c,
+               ALIGN=alignment(first, starts, block_c), num_warps=WARPS)
+
+
+def alignment(first: torch.Tensor, starts: Sequence[int], block_c: int) -> int:
+    """Elements per 16 bytes of ``first``'s dtype where every token's channels of every layer start 16-byte aligned
+    (the first layer's address and the others' byte offsets ``starts`` from it, the block, head and token strides,
+    contiguous channels, a channel count and chunk of whole 16-byte words); else 1 (one element per access)."""
+    size = first.element_size()
+    vec = max(1, 16 // size)
+    s_block, s_head, s_offset, s_channel = first.stride()
+    channels = first.shape[-1]
+    aligned = (first.data_ptr() % 16 == 0 and all(s % 16 == 0 for s in starts) and s_channel == 1
+               and all(x % vec == 0 for x in (s_block, s_head, s_offset, channels, block_c)))
+    return vec if aligned else 1

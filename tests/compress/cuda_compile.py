@@ -99,8 +99,50 @@ def compile_for_cuda(launches: list[Launch], capabilities: tuple[int, ...] = (80
         signature, constants = launch.signature()
         jobs.append({"name": launch.name, "module": launch.fn.__module__, "function": launch.fn.__name__,
                      "signature": signature, "constants": constants, "options": launch.options})
+    return _in_fresh_interpreter({"jobs": jobs, "cc": capabilities})
+
+
+@dataclass(frozen=True)
+class Usage:
+    """What a kernel compiled to: registers and stack (spill) bytes per thread, and the widths in bits of its global
+    loads and stores (``128``: 16 bytes per access)."""
+
+    registers: int
+    stack_bytes: int
+    load_bits: tuple[int, ...]
+    store_bits: tuple[int, ...]
+
+
+def compiled_as_launched(kernel: Any, args: tuple, kwargs: dict, capability: int = 90) -> Usage:
+    """Compile one launch ``kernel[grid](*args, **kwargs)`` for a CUDA GPU of ``capability`` exactly as Triton's JIT
+    would on that GPU (its own specialization of the arguments: integers equal to 1 made constants, 16-divisible
+    integers and 16-byte aligned pointers marked so), in a fresh interpreter, and report what it compiled to (read by
+    the ``cuobjdump`` Triton ships). Raises where that tool is missing."""
+    from tests.compress.specialization import specialization
+
+    params = list(inspect.signature(kernel.fn).parameters)
+    fixed, runtime = specialization(kernel, args, kwargs)
+    fixed = dict(fixed)
+    options = {k: v for k, v in fixed.items() if k in OPTIONS}
+    constants = {k: v for k, v in fixed.items() if k not in OPTIONS}
+    signature = {name: "constexpr" for name in constants}
+    divisible = []
+    for name, (kind, key) in runtime:
+        signature[name] = kind
+        if kind == "constexpr":
+            constants[name] = key
+        elif key == "D":
+            divisible.append(name)
+    job = {"name": kernel.fn.__name__, "module": kernel.fn.__module__, "function": kernel.fn.__name__,
+           "signature": {name: signature[name] for name in params if name in signature}, "constants": constants,
+           "options": options, "divisible": divisible}
+    found = _in_fresh_interpreter({"jobs": [job], "cc": [capability], "usage": True})[kernel.fn.__name__]
+    return Usage(**{k: tuple(v) if isinstance(v, list) else v for k, v in found.items()})
+
+
+def _in_fresh_interpreter(request: dict) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-m", __name__], input=json.dumps({"jobs": jobs, "cc": capabilities}),
+    done = subprocess.run([sys.executable, "-m", __name__], input=json.dumps(request),
                           capture_output=True, text=True, env=env, timeout=900, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"the compile process failed ({done.returncode}):\n{done.stderr[-4000:]}")
@@ -126,16 +168,49 @@ def _compile_jobs(request: dict) -> dict[str, str]:
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
 
-    failures = {}
+    failures, usage = {}, {}
     for job in request["jobs"]:
         fn = getattr(importlib.import_module(job["module"]), job["function"])
+        names = list(inspect.signature(fn).parameters)
+        attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in job.get("divisible", ())}
         for cc in request["cc"]:
-            source = ASTSource(fn=JITFunction(fn), signature=job["signature"], constexprs=job["constants"])
+            source = ASTSource(fn=JITFunction(fn), signature=job["signature"], constexprs=job["constants"],
+                               attrs=attrs)
             try:
-                triton.compile(source, target=GPUTarget("cuda", cc, 32), options=dict(job["options"]))
+                compiled = triton.compile(source, target=GPUTarget("cuda", cc, 32), options=dict(job["options"]))
             except Exception as error:  # report every refusal, not the first
                 failures[f"{job['name']} sm_{cc}"] = f"{type(error).__name__}: {error}"[-2000:]
-    return failures
+                continue
+            if request.get("usage"):
+                usage[job["name"]] = _usage(compiled)
+    return usage if request.get("usage") else failures
+
+
+def _usage(compiled: Any) -> dict:
+    """Registers and stack bytes (``cuobjdump --dump-resource-usage`` of the cubin) and global access widths (PTX)."""
+    import re
+    import tempfile
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        report = subprocess.run([tool, "--dump-resource-usage", cubin.name], capture_output=True, text=True,
+                                check=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", report)
+    ptx = compiled.asm["ptx"]
+
+    def bits(op: str) -> list[int]:  # e.g. ld.global.v4.b32: 4 x 32 bits
+        widths = set()
+        for instruction in re.findall(rf"\b{op}\.global\S*", ptx):
+            lanes = re.search(r"\.v(\d)\.", instruction)
+            widths.add(int(lanes.group(1) if lanes else 1) * int(re.search(r"\.[bsuf](\d+)$", instruction).group(1)))
+        return sorted(widths)
+
+    return {"registers": int(found.group(1)), "stack_bytes": int(found.group(2)), "load_bits": tuple(bits("ld")),
+            "store_bits": tuple(bits("st"))}
 
 
 if __name__ == "__main__":
