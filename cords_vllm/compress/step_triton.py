@@ -86,8 +86,10 @@ logger = logging.getLogger(__name__)
 
 #: Unit modes of :func:`_plan_kernel`: candidate tokens, fixed runs of ``group_size`` candidates, labelled frames.
 TOKEN, BLOCK, FRAME = 0, 1, 2
-#: Region rows each non-finite scanning program reads.
-SCAN_ROWS = 64
+#: Elements of keys (and as many of values) each non-finite scanning program reads: its rows are this over the
+#: features' width (4 rows of a 7B model's 4 heads x 128), 16 per thread of its 4 warps, so it spills no registers
+#: (64 rows spilled 6.7 KB per thread on sm_90).
+SCAN_ELEMENTS = 2048
 #: The most rows a region may have on the fused step: the plan and finish programs hold a region's rows in one
 #: program (a 7B model's default region is 7,744). Larger regions run the PyTorch plumbing around the kernels.
 MAX_ROWS = 32768
@@ -423,9 +425,11 @@ def _normalize_kernel(feats, norms, valid, m_units, width, f_problem, n_field, n
 
 
 def _row_warps(block_t: int) -> int:
-    """Warps of the plan and finish programs, which hold a region's rows: enough that each thread holds at most 64
-    of a vector (a 7B model's 7,744-token region: 16 warps). Not yet tuned on a GPU."""
-    return min(16, max(4, block_t // (32 * 64)))
+    """Warps of the plan and finish programs, which hold a region's rows: enough that each thread holds at most 16 of
+    a vector (a 7B model's 7,744-token region: 16 warps), up to 32. At 64 rows per thread (4 warps at 8,192 rows) the
+    plan program spilled 2-3 KB of registers per thread on sm_90; at 16, at most 128 registers each, it spills a
+    tenth of that."""
+    return min(32, max(4, block_t // (32 * 16)))
 
 
 def row_width(block_t: int) -> dict[str, int]:
@@ -784,7 +788,9 @@ def compress_region_fused_steps(caches: Sequence[torch.Tensor], held: Sequence, 
     s_block, s_head, s_offset, s_channel = first.stride()
     starts = tuple((caches[a].data_ptr() - first.data_ptr()) // first.element_size() for a in anchors)
     offsets = copy_triton._device_table(starts, device)  # element offsets of the anchors' caches, made once
-    scan_programs = cdiv(n_tok, SCAN_ROWS) if scan else 0
+    block_f = max(16, triton.next_power_of_2(width))
+    scan_rows = max(1, SCAN_ELEMENTS // block_f)
+    scan_programs = cdiv(n_tok, scan_rows) if scan else 0
     fp8 = _fp8_mode(codecs, anchors)
     scales = _scales(codecs, anchors, heads, device) if fp8 else empty_long
     launch("units", _compiled(interp, "units"), (n_prob, unit_rows + scan_programs),
@@ -793,7 +799,7 @@ def compress_region_fused_steps(caches: Sequence[torch.Tensor], held: Sequence, 
         n_tok, unit_rows, feats.shape[1], hp, heads, head_size, frame_budget, k_max,
         s_block, s_head, s_offset, s_channel,
         MODE=mode, PER_HEAD=per_head, SCAN=scan, FP8=fp8, BLOCK_SIZE=block_size,
-        BLOCK_F=max(16, triton.next_power_of_2(width)), SCAN_T=SCAN_ROWS)
+        BLOCK_F=block_f, SCAN_T=scan_rows)
     if gather is not None:
         rows, width = yield from _gathered_rows(rows, gather, heads, head_size, interp,
                                                 norms=params.space != "normalized")

@@ -117,27 +117,38 @@ def compiled_as_launched(kernel: Any, args: tuple, kwargs: dict, capability: int
     """Compile one launch ``kernel[grid](*args, **kwargs)`` for a CUDA GPU of ``capability`` exactly as Triton's JIT
     would on that GPU (its own specialization of the arguments: integers equal to 1 made constants, 16-divisible
     integers and 16-byte aligned pointers marked so), in a fresh interpreter, and report what it compiled to (read by
-    the ``cuobjdump`` Triton ships). Raises where that tool is missing."""
+    the ``cuobjdump`` Triton ships)."""
+    return usage_as_launched([(kernel, args, kwargs)], capability)[0]
+
+
+def usage_as_launched(launches: list[tuple[Any, tuple, dict]], capability: int = 90) -> list[Usage]:
+    """:func:`compiled_as_launched` of several ``(kernel, args, kwargs)`` launches, in one fresh interpreter."""
     from tests.compress.specialization import specialization
 
-    params = list(inspect.signature(kernel.fn).parameters)
-    fixed, runtime = specialization(kernel, args, kwargs)
-    fixed = dict(fixed)
-    options = {k: v for k, v in fixed.items() if k in OPTIONS}
-    constants = {k: v for k, v in fixed.items() if k not in OPTIONS}
-    signature = {name: "constexpr" for name in constants}
-    divisible = []
-    for name, (kind, key) in runtime:
-        signature[name] = kind
-        if kind == "constexpr":
-            constants[name] = key
-        elif key == "D":
-            divisible.append(name)
-    job = {"name": kernel.fn.__name__, "module": kernel.fn.__module__, "function": kernel.fn.__name__,
-           "signature": {name: signature[name] for name in params if name in signature}, "constants": constants,
-           "options": options, "divisible": divisible}
-    found = _in_fresh_interpreter({"jobs": [job], "cc": [capability], "usage": True})[kernel.fn.__name__]
-    return Usage(**{k: tuple(v) if isinstance(v, list) else v for k, v in found.items()})
+    jobs = []
+    for i, (kernel, args, kwargs) in enumerate(launches):
+        params = list(inspect.signature(kernel.fn).parameters)
+        fixed, runtime = specialization(kernel, args, kwargs)
+        fixed = dict(fixed)
+        options = {k: v for k, v in fixed.items() if k in OPTIONS}
+        constants = {k: v for k, v in fixed.items() if k not in OPTIONS}
+        signature = {name: "constexpr" for name in constants}
+        divisible = []
+        for name, (kind, key) in runtime:
+            signature[name] = kind
+            if kind == "constexpr":
+                constants[name] = key
+            elif key == "D":
+                divisible.append(name)
+        jobs.append({"name": str(i), "module": kernel.fn.__module__, "function": kernel.fn.__name__,
+                     "signature": {name: signature[name] for name in params if name in signature},
+                     "constants": constants, "options": options, "divisible": divisible})
+    found = _in_fresh_interpreter({"jobs": jobs, "cc": [capability], "usage": True})
+    refused = {f"{launches[int(i)][0].fn.__name__} (launch {i})": u["error"] for i, u in found.items() if "error" in u}
+    if refused:
+        raise RuntimeError(f"Triton's compiler refused: {refused}")
+    return [Usage(**{k: tuple(v) if isinstance(v, list) else v for k, v in found[str(i)].items()})
+            for i in range(len(launches))]
 
 
 def _in_fresh_interpreter(request: dict) -> dict:
@@ -180,6 +191,7 @@ def _compile_jobs(request: dict) -> dict[str, str]:
                 compiled = triton.compile(source, target=GPUTarget("cuda", cc, 32), options=dict(job["options"]))
             except Exception as error:  # report every refusal, not the first
                 failures[f"{job['name']} sm_{cc}"] = f"{type(error).__name__}: {error}"[-2000:]
+                usage[job["name"]] = {"error": failures[f"{job['name']} sm_{cc}"]}
                 continue
             if request.get("usage"):
                 usage[job["name"]] = _usage(compiled)
