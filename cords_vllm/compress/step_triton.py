@@ -86,10 +86,11 @@ logger = logging.getLogger(__name__)
 
 #: Unit modes of :func:`_plan_kernel`: candidate tokens, fixed runs of ``group_size`` candidates, labelled frames.
 TOKEN, BLOCK, FRAME = 0, 1, 2
-#: Elements of keys (and as many of values) each non-finite scanning program reads: its rows are this over the
-#: features' width (4 rows of a 7B model's 4 heads x 128), 16 per thread of its 4 warps, so it spills no registers
-#: (64 rows spilled 6.7 KB per thread on sm_90).
-SCAN_ELEMENTS = 2048
+#: Elements of keys (and as many of values) a units program reads at once: this over the features' width in rows
+#: (4 rows of a 7B model's 4 heads x 128), 16 per thread of its 4 warps, so it spills no registers (64 rows spilled
+#: 6.7 KB per thread on sm_90). A unit's tokens are summed that many at a time (a frame of 256 tokens: 64 dependent
+#: steps, not 256), and each non-finite scanning program reads that many rows.
+TILE_ELEMENTS = 2048
 #: The most rows a region may have on the fused step: the plan and finish programs hold a region's rows in one
 #: program (a 7B model's default region is 7,744). Larger regions run the PyTorch plumbing around the kernels.
 MAX_ROWS = 32768
@@ -220,11 +221,12 @@ def _units_kernel(base, layer_offsets, scales, src_slots, row_of_rank, unit_star
                   n_tok, m_units, m_stride, heads_per_problem, heads, head_size, frame_budget, k_fixed,
                   s_block, s_head, s_offset, s_channel,
                   MODE: tl.constexpr, PER_HEAD: tl.constexpr, SCAN: tl.constexpr, FP8: tl.constexpr,
-                  BLOCK_SIZE: tl.constexpr, BLOCK_F: tl.constexpr, SCAN_T: tl.constexpr):
+                  BLOCK_SIZE: tl.constexpr, BLOCK_F: tl.constexpr, TILE_T: tl.constexpr, ALIGN: tl.constexpr):
     """Program ``(p, u)``: unit ``u``'s mean key and value (``feats[p, u]``, keys then values), their norms and the
     seed score, ``valid[p, u]``, and (``u == 0``) ``k[p]``; the outputs' rows are ``m_stride >= m_units`` units long
     (a step's compressions share them, each problem padded with invalid units). Programs ``u >= m_units`` (``SCAN``)
-    look for non-finite entries in rows ``(u - m_units) * SCAN_T ...`` of the region.
+    look for non-finite entries in rows ``(u - m_units) * TILE_T ...`` of the region. A unit's tokens are read
+    ``TILE_T`` at a time.
 
     ``FP8``: 0 for a floating cache; 1 (e4m3) or 2 (e5m2) for an fp8 cache read as bytes, decoded as
     :class:`~cords_vllm.compress.kv_codec.Fp8Codec` does (``scales``: ``float32 [A, 2, H]``, the keys' and the
@@ -234,7 +236,7 @@ def _units_kernel(base, layer_offsets, scales, src_slots, row_of_rank, unit_star
     p = tl.program_id(0).to(tl.int64)
     u = tl.program_id(1)
     a = p // heads_per_problem
-    cache = base + tl.load(layer_offsets + a)
+    cache = base + tl.multiple_of(tl.load(layer_offsets + a), ALIGN)  # ALIGN: as the copy's (16-byte accesses)
     f = tl.arange(0, BLOCK_F)
     width = head_size if PER_HEAD else heads * head_size
     in_f = f < width
@@ -262,22 +264,26 @@ def _units_kernel(base, layer_offsets, scales, src_slots, row_of_rank, unit_star
         size = tl.load(unit_size + p * n_tok + u, mask=ok, other=0)
         acc_k = tl.zeros([BLOCK_F], dtype=tl.float32)
         acc_v = tl.zeros([BLOCK_F], dtype=tl.float32)
-        for j in range(0, size):
-            slot = tl.load(src_slots + tl.load(row_of_rank + p * n_tok + start + j))
-            token = (slot // BLOCK_SIZE) * s_block + (slot % BLOCK_SIZE) * s_offset
-            x = tl.load(cache + token + at, mask=in_f, other=0)
-            y = tl.load(cache + token + v_at, mask=in_f, other=0)
+        for j0 in range(0, size, TILE_T):  # TILE_T tokens at a time: their loads in flight together
+            j = j0 + tl.arange(0, TILE_T)
+            live = j < size
+            slot = tl.load(src_slots + tl.load(row_of_rank + p * n_tok + start + j, mask=live, other=0),
+                           mask=live, other=0)
+            token = tl.multiple_of((slot // BLOCK_SIZE) * s_block + (slot % BLOCK_SIZE) * s_offset, ALIGN)[:, None]
+            mask = live[:, None] & in_f[None, :]
+            x = tl.load(cache + token + at[None, :], mask=mask, other=0)
+            y = tl.load(cache + token + v_at[None, :], mask=mask, other=0)
             if FP8 == 0:
-                x_ok, y_ok = in_f, in_f
+                x_ok, y_ok = mask, mask
                 x, y = x.to(tl.float32), y.to(tl.float32)
             elif FP8 == 1:  # e4m3fn: NaN is S.1111.111
-                x_ok, y_ok = (x & 0x7F) != 0x7F, (y & 0x7F) != 0x7F
-                x, y = _e4m3(x) * k_scale, _e4m3(y) * v_scale
+                x_ok, y_ok = mask & ((x & 0x7F) != 0x7F), mask & ((y & 0x7F) != 0x7F)
+                x, y = _e4m3(x) * k_scale[None, :], _e4m3(y) * v_scale[None, :]
             else:  # e5m2: inf and NaN are S.11111.xx
-                x_ok, y_ok = (x & 0x7C) != 0x7C, (y & 0x7C) != 0x7C
-                x, y = _e5m2(x) * k_scale, _e5m2(y) * v_scale
-            acc_k += tl.where(x_ok & (x == x) & (tl.abs(x) < float("inf")), x, 0.0)
-            acc_v += tl.where(y_ok & (y == y) & (tl.abs(y) < float("inf")), y, 0.0)
+                x_ok, y_ok = mask & ((x & 0x7C) != 0x7C), mask & ((y & 0x7C) != 0x7C)
+                x, y = _e5m2(x) * k_scale[None, :], _e5m2(y) * v_scale[None, :]
+            acc_k += tl.sum(tl.where(x_ok & (x == x) & (tl.abs(x) < float("inf")), x, 0.0), 0)
+            acc_v += tl.sum(tl.where(y_ok & (y == y) & (tl.abs(y) < float("inf")), y, 0.0), 0)
         n = tl.maximum(size, 1).to(tl.float32)
         key = tl.where(ok, acc_k / n, 0.0)
         value = tl.where(ok, acc_v / n, 0.0)
@@ -291,10 +297,10 @@ def _units_kernel(base, layer_offsets, scales, src_slots, row_of_rank, unit_star
         tl.store(valid_out + p * m_stride + u, ok.to(tl.int8))
     if SCAN:  # noqa: SIM102 (Triton: a constexpr branch around a runtime one)
         if u >= m_units:
-            rows = (u - m_units) * SCAN_T + tl.arange(0, SCAN_T)
+            rows = (u - m_units) * TILE_T + tl.arange(0, TILE_T)
             live = rows < n_tok
             slot = tl.load(src_slots + rows, mask=live, other=0)
-            token = ((slot // BLOCK_SIZE) * s_block + (slot % BLOCK_SIZE) * s_offset)[:, None]
+            token = tl.multiple_of((slot // BLOCK_SIZE) * s_block + (slot % BLOCK_SIZE) * s_offset, ALIGN)[:, None]
             mask = live[:, None] & in_f[None, :]
             x = tl.load(cache + token + at[None, :], mask=mask, other=0)
             y = tl.load(cache + token + v_at[None, :], mask=mask, other=0)
@@ -786,11 +792,11 @@ def compress_region_fused_steps(caches: Sequence[torch.Tensor], held: Sequence, 
     kn, vn, seed = rows.norms.unbind(0)
     scan = nonfinite is not None
     s_block, s_head, s_offset, s_channel = first.stride()
-    starts = tuple((caches[a].data_ptr() - first.data_ptr()) // first.element_size() for a in anchors)
-    offsets = copy_triton._device_table(starts, device)  # element offsets of the anchors' caches, made once
+    starts = tuple(caches[a].data_ptr() - first.data_ptr() for a in anchors)  # bytes
+    offsets = copy_triton._device_table(tuple(s // first.element_size() for s in starts), device)  # made once
     block_f = max(16, triton.next_power_of_2(width))
-    scan_rows = max(1, SCAN_ELEMENTS // block_f)
-    scan_programs = cdiv(n_tok, scan_rows) if scan else 0
+    tile_rows = max(1, TILE_ELEMENTS // block_f)
+    scan_programs = cdiv(n_tok, tile_rows) if scan else 0
     fp8 = _fp8_mode(codecs, anchors)
     scales = _scales(codecs, anchors, heads, device) if fp8 else empty_long
     launch("units", _compiled(interp, "units"), (n_prob, unit_rows + scan_programs),
@@ -799,7 +805,8 @@ def compress_region_fused_steps(caches: Sequence[torch.Tensor], held: Sequence, 
         n_tok, unit_rows, feats.shape[1], hp, heads, head_size, frame_budget, k_max,
         s_block, s_head, s_offset, s_channel,
         MODE=mode, PER_HEAD=per_head, SCAN=scan, FP8=fp8, BLOCK_SIZE=block_size,
-        BLOCK_F=block_f, SCAN_T=scan_rows)
+        ALIGN=copy_triton.alignment(first, starts, head_size),
+        BLOCK_F=block_f, TILE_T=tile_rows)
     if gather is not None:
         rows, width = yield from _gathered_rows(rows, gather, heads, head_size, interp,
                                                 norms=params.space != "normalized")

@@ -196,9 +196,10 @@ def test_every_variant_of_a_7b_servers_warm_up_compiles_for_sm90_without_spillin
     """The warm-up of a Qwen2-VL-7B server at the defaults (4 KV heads x 128, bf16, blocks of 16, ``auto``, budget
     2,048, requests of at most 10,784 tokens): 37 variants, each compiled for sm_90 as Triton's JIT compiles it there
     (about a minute on two cores: what a fresh GPU machine's start-up adds, once). None spills more than 1 KB of
-    registers per thread and the copy none, and the copy moves 16 bytes per access. On an H100 the plan program at 4
-    warps (2-3 KB spilled), the units kernel's non-finite scan of 64 rows (6.7 KB) and the copy without its alignment
-    hint (one element per access) cost 2.5-3 ms of a 4.5 ms compression. In the slow suite."""
+    registers per thread and the copy none, and the copy and the units kernel read the cache 16 bytes per access. On
+    an H100 the plan program at 4 warps (2-3 KB spilled), the units kernel's non-finite scan of 64 rows (6.7 KB) and
+    the copy without its alignment hint (one element per access) cost 2.5-3 ms of a 4.5 ms compression. In the slow
+    suite."""
     pytest.importorskip("triton.backends.nvidia")
     if not copy_triton.interpreting():
         pytest.skip("recorded on CPU under TRITON_INTERPRET=1")
@@ -216,6 +217,8 @@ def test_every_variant_of_a_7b_servers_warm_up_compiles_for_sm90_without_spillin
     assert max(spills.values(), default=0) <= 1024, spills
     copy = [u for v, u in zip(report.variants, usage, strict=True) if v.name == "copy"]
     assert copy and all(u.stack_bytes == 0 and u.store_bits == (128,) for u in copy), copy
+    units = [u for v, u in zip(report.variants, usage, strict=True) if v.name == "units"]
+    assert units and all(max(u.load_bits) == 128 for u in units), units  # the cache read 16 bytes at a time
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
