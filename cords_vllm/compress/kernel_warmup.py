@@ -110,6 +110,9 @@ class WarmupReport:
     def describe(self) -> str:
         """The start-up log's line."""
         kernels = sorted({v.name for v in self.variants})
+        if not self.widths.rows and not self.widths.units:  # the copy alone (warm_up_copy)
+            return (f"compiled {len(self.variants)} kernel variant(s) ({', '.join(kernels) or 'none'}) in "
+                    f"{self.seconds:.1f} s")
         rows = f"{self.widths.rows[0]}-{self.widths.rows[-1]}" if self.widths.rows else "none"
         units = f"{self.widths.units[0]}-{self.widths.units[-1]}" if self.widths.units else "none"
         return (f"compiled {len(self.variants)} kernel variants ({', '.join(kernels) or 'none'}) for regions of "
@@ -208,6 +211,21 @@ def warm_up(caches: Sequence[torch.Tensor], accessors: Sequence[KVAccessor], cod
     for launch in compiled:
         launch.kernel.warmup(*launch.args, grid=launch.grid, **launch.kwargs)
     return WarmupReport(widths, tuple(compiled), time.perf_counter() - start)
+
+
+def warm_up_copy(caches: Sequence[torch.Tensor], accessors: Sequence[KVAccessor]) -> WarmupReport:
+    """The copy alone, for policies whose compressions no start-up template can run (they score the queries of a
+    request's own prefill): one copy of the rows of blocks ``1 .. TEMPLATE_BLOCKS`` onto themselves in every layer
+    (each row kept where it is: nothing changes), which compiles the copy's variant for these caches (it has one per
+    layout: no width of it changes with a compression's size)."""
+    start = time.perf_counter()
+    device = caches[0].device
+    slots = slots_of(torch.arange(1, 1 + TEMPLATE_BLOCKS, device=device), accessors[0].block_size)
+    n = slots.numel()
+    positions = torch.arange(n, device=device).view(1, 1, n).expand(1, caches[0].shape[1], n)
+    with recording() as recorded:
+        copy_triton.copy_kept(caches, positions, [0] * len(caches), slots, slots)
+    return WarmupReport(WarmupWidths((), (), (), False), tuple(recorded), time.perf_counter() - start)
 
 
 def compiled_variants() -> int | None:

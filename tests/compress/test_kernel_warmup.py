@@ -191,6 +191,41 @@ def test_a_launch_is_recorded_with_what_compiles_it():
     assert kernel_warmup.TEMPLATE_BLOCKS < 8
 
 
+@pytest.mark.parametrize("policy", ["snapkv", "infinipot_v"])
+def test_the_copy_alone_is_warmed_for_a_policy_scoring_observed_queries(monkeypatch, policy):
+    """A policy that scores a request's own queries has no start-up compression: the warm-up copies the template
+    blocks' rows onto themselves (the caches unchanged), and a real compression of that policy launches that copy
+    variant and no other kernel (its selection runs on the PyTorch path)."""
+    if not copy_triton.interpreting():
+        pytest.skip("the launches are compared on CPU under TRITON_INTERPRET=1")
+    from tests.compress.observed import with_observation
+
+    g = torch.Generator().manual_seed(5)
+    caches = [torch.randn(BLOCKS, HEADS, BS, 2 * D, generator=g) for _ in range(LAYERS)]
+    accessors = [PagedAccessor.of(caches[0], D)] * LAYERS
+    before = [c.clone() for c in caches]
+    report = kernel_warmup.warm_up_copy(caches, accessors)
+    assert all(torch.equal(a, b) for a, b in zip(caches, before, strict=True))
+    assert [v.name for v in report.variants] == ["copy"]
+    assert "compiled 1 kernel variant(s) (copy)" in report.describe()
+
+    setup = SelectionSetup(get_selector(policy), "token", False, (0, 0, 2, 2), kernels="triton")
+    batch = with_observation(setup, on_device(first_batches([(40, 6, 17, "token")], FRAME, BS, BLOCKS)[0], "cpu"),
+                             HEADS, D)
+    seen: list = []
+
+    def run(label, kernel, grid, args, kwargs):
+        seen.append((label, *specialization(kernel, args, kwargs)))
+        return kernel[grid](*args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        watch_launches(patch, (step_triton, cords_triton, copy_triton), run)
+        compress_region(caches, accessors, [None] * LAYERS, batch, setup,
+                        nonfinite=torch.zeros((), dtype=torch.long))
+    assert [label for label, *_ in seen] == ["copy_triton"]
+    assert {tuple(key) for _, *key in seen} == {tuple(key) for _, *key in _keys(report.variants)}
+
+
 @pytest.mark.slow
 def test_every_variant_of_a_7b_servers_warm_up_compiles_for_sm90_without_spilling():
     """The warm-up of a Qwen2-VL-7B server at the defaults (4 KV heads x 128, bf16, blocks of 16, ``auto``, budget

@@ -259,17 +259,22 @@ class WorkerCompressor:
             logger.info("cords-vllm: kernel warm-up off (kv_policy_config 'warmup'): each width compiles at its "
                         "first compression")
             return
-        if self.setup.selector.needs_observation:
-            logger.info("cords-vllm: kernel warm-up skipped: --kv-policy %s scores observed queries, which no "
-                        "start-up compression has; its copy kernel compiles at its first compression",
-                        self.config.policy)
-            return
-        from cords_vllm.compress.kernel_warmup import TEMPLATE_BLOCKS, WarmupWidths, warm_up
+        from cords_vllm.compress.kernel_warmup import TEMPLATE_BLOCKS, WarmupWidths, warm_up, warm_up_copy
 
         if runner.kv_cache_config.num_blocks <= TEMPLATE_BLOCKS:
             logger.warning("cords-vllm: kernel warm-up skipped: a pool of %d KV blocks leaves no %d free for its "
                            "compressions; each width compiles at its first compression",
                            runner.kv_cache_config.num_blocks, TEMPLATE_BLOCKS)
+            return
+        if self.setup.selector.needs_observation:  # no start-up compression has observed queries: the copy alone
+            try:
+                self.warmup = warm_up_copy(self.caches, self.accessors)
+            except Exception as exc:
+                logger.warning("cords-vllm: kernel warm-up failed (%s: %s); the copy compiles at its first "
+                               "compression", type(exc).__name__, exc, exc_info=exc)
+                return
+            logger.info("cords-vllm: kernel warm-up: %s (--kv-policy %s scores observed queries: its selection runs "
+                        "on the PyTorch path)", self.warmup.describe(), self.config.policy)
             return
         max_len = runner.vllm_config.model_config.max_model_len
         max_rows = min(max_len, self.config.stream_footprint_blocks(max_len, self.block_size) * self.block_size)
