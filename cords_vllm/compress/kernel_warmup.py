@@ -39,7 +39,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from cords_vllm.compress import copy_triton, step_triton
-from cords_vllm.compress.kv_access import KVAccessor, slots_of
+from cords_vllm.compress.kv_access import KVAccessor, PagedAccessor, slots_of
 from cords_vllm.compress.kv_codec import KVCodec
 from cords_vllm.compress.step import RegionBatch, SelectionSetup, compress_region
 from cords_vllm.compress.unit_choice import AUTO
@@ -111,8 +111,9 @@ class WarmupReport:
         """The start-up log's line."""
         kernels = sorted({v.name for v in self.variants})
         if not self.widths.rows and not self.widths.units:  # the copy alone (warm_up_copy)
-            return (f"compiled {len(self.variants)} kernel variant(s) ({', '.join(kernels) or 'none'}) in "
-                    f"{self.seconds:.1f} s")
+            if not self.variants:
+                return "nothing to compile (the PyTorch path copies these caches)"
+            return f"compiled {len(self.variants)} kernel variant(s) ({', '.join(kernels)}) in {self.seconds:.1f} s"
         rows = f"{self.widths.rows[0]}-{self.widths.rows[-1]}" if self.widths.rows else "none"
         units = f"{self.widths.units[0]}-{self.widths.units[-1]}" if self.widths.units else "none"
         return (f"compiled {len(self.variants)} kernel variants ({', '.join(kernels) or 'none'}) for regions of "
@@ -217,8 +218,11 @@ def warm_up_copy(caches: Sequence[torch.Tensor], accessors: Sequence[KVAccessor]
     """The copy alone, for policies whose compressions no start-up template can run (they score the queries of a
     request's own prefill): one copy of the rows of blocks ``1 .. TEMPLATE_BLOCKS`` onto themselves in every layer
     (each row kept where it is: nothing changes), which compiles the copy's variant for these caches (it has one per
-    layout: no width of it changes with a compression's size)."""
+    layout: no width of it changes with a compression's size). Nothing where the copy is not one launch (caches other
+    than paged views: the PyTorch path copies)."""
     start = time.perf_counter()
+    if not all(isinstance(a, PagedAccessor) for a in accessors):
+        return WarmupReport(WarmupWidths((), (), (), False), (), time.perf_counter() - start)
     device = caches[0].device
     slots = slots_of(torch.arange(1, 1 + TEMPLATE_BLOCKS, device=device), accessors[0].block_size)
     n = slots.numel()

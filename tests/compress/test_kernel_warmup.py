@@ -224,6 +224,9 @@ def test_the_copy_alone_is_warmed_for_a_policy_scoring_observed_queries(monkeypa
                         nonfinite=torch.zeros((), dtype=torch.long))
     assert [label for label, *_ in seen] == ["copy_triton"]
     assert {tuple(key) for _, *key in seen} == {tuple(key) for _, *key in _keys(report.variants)}
+    # caches the copy does not address in one launch (the CPU engine's tiles): nothing to compile, nothing written
+    tiles = kernel_warmup.warm_up_copy(caches, [object()] * LAYERS)
+    assert tiles.variants == () and tiles.describe().startswith("nothing to compile")
 
 
 @pytest.mark.slow
