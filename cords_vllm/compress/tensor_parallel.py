@@ -79,6 +79,14 @@ def head_gatherer(all_gather: AllGather, world_size: int, total_kv_heads: int) -
     return gather_heads
 
 
+def local_head_gatherer(world_size: int, total_kv_heads: int) -> HeadGather | None:
+    """A stand-in for :func:`head_gatherer`'s gather with the same output (shape, dtype, layout) and no communication:
+    this rank's heads in every rank's place. For compiling kernels (the start-up warm-up), whose launches depend only
+    on shapes: a collective there would tie every rank's start-up to every other's, and a rank whose warm-up failed
+    alone would leave the others waiting in it. ``None`` when ``world_size == 1``."""
+    return head_gatherer(lambda x, dim: torch.cat([x] * world_size, dim), world_size, total_kv_heads)
+
+
 def gathered_bytes(anchors: int, tokens: int, total_kv_heads: int, head_size: int, element_size: int,
                    world_size: int) -> tuple[int, int]:
     """``(sent, received)`` bytes of one rank for one compression's head gather on the PyTorch path (the fused kernel

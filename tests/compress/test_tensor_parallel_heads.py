@@ -15,7 +15,13 @@ import torch
 
 from cords_vllm.compress.kv_access import PagedAccessor, slots_of
 from cords_vllm.compress.step import RegionBatch, SelectionSetup, compress_region
-from cords_vllm.compress.tensor_parallel import gathered_bytes, head_gatherer, kv_head_replicas, local_kv_heads
+from cords_vllm.compress.tensor_parallel import (
+    gathered_bytes,
+    head_gatherer,
+    kv_head_replicas,
+    local_head_gatherer,
+    local_kv_heads,
+)
 from cords_vllm.selection import get_selector
 
 LAYERS, BS, D, BLOCKS = 3, 8, 16, 24
@@ -124,6 +130,24 @@ def test_layout_rules_and_bytes():
     # Qwen2-VL-7B-like: 4 KV heads of 128 over 2 ranks, one anchor, a 2,048-token region in bf16
     assert gathered_bytes(1, 2048, 4, 128, 2, 2) == (2 * 2048 * 2 * 128 * 2, 2 * 2048 * 2 * 128 * 2)
     assert gathered_bytes(1, 2048, 4, 128, 2, 1) == (0, 0)
+
+
+@pytest.mark.parametrize(("heads", "world"), [(4, 2), (2, 4), (8, 4)])
+def test_the_warm_ups_stand_in_gathers_what_the_collective_gathers_without_it(heads, world):
+    """The start-up warm-up's gather (no collective, so a rank whose warm-up fails alone leaves no other waiting in
+    it) gives every rank a tensor of the shape, dtype and layout the group's all-gather gives: the kernels it
+    compiles are the ones the real gather's compressions launch."""
+    local = local_kv_heads(heads, world)
+    parts = [torch.randn(2, 3, 2, local, 1, D) for _ in range(world)]  # the fused step's units: [P, M, 2, H, 1, D]
+    group = ThreadGroup(world)
+    with ThreadPoolExecutor(world) as pool:
+        real = list(pool.map(lambda r: head_gatherer(group.all_gather_of(r), world, heads)(parts[r]), range(world)))
+    stand_in = local_head_gatherer(world, heads)
+    for r in range(world):
+        alone = stand_in(parts[r])
+        assert (alone.shape, alone.dtype, alone.stride()) == (real[r].shape, real[r].dtype, real[r].stride())
+        assert alone.shape[3] == heads
+    assert group.calls == 1 and local_head_gatherer(1, heads) is None
 
 
 class _OneKernelAtATime:

@@ -72,7 +72,7 @@ from cords_vllm.integration.published import PUBLISH_INTERVAL_S, Publisher
 from cords_vllm.integration.worker.cpu_layout import accessor_for_layer, codec_for_layer, kv_cache_dtype_of
 from cords_vllm.integration.worker.pipeline_parallel import stage_anchors
 from cords_vllm.integration.worker.query_capture import QueryCapture
-from cords_vllm.integration.worker.tensor_parallel import tp_head_gatherer
+from cords_vllm.integration.worker.tensor_parallel import tp_head_gatherer, tp_warmup_gatherer
 from cords_vllm.integration.worker.timing import CompressionTimer
 from cords_vllm.integration.worker.tracker import WorkerRequest
 from cords_vllm.kernel_backend import interpreting, kernels_in_force, use_triton
@@ -250,8 +250,9 @@ class WorkerCompressor:
     def warm_up_kernels(self, runner: Any) -> None:
         """At start-up, before the engine serves: where Triton kernels run the compress step, compile them for every
         width this server's compressions can take (:mod:`cords_vllm.compress.kernel_warmup`), unless the
-        configuration's ``warmup`` is false. Every rank runs it (its small compressions gather heads under tensor
-        parallelism)."""
+        configuration's ``warmup`` is false. Every rank runs it on its own: under tensor parallelism its small
+        compressions gather heads with a stand-in of the same shapes (:func:`tp_warmup_gatherer`), not the group's
+        collective, so a rank whose warm-up fails alone serves and leaves no other waiting."""
         with kernels_in_force(self.setup.kernels):
             if not use_triton(self.device):
                 return
@@ -282,7 +283,10 @@ class WorkerCompressor:
             budget=self.config.budget, slack=self.config.slack, block_size=self.block_size,
             max_rows=max_rows, granularity=self.config.granularity, frames_known=self.facts.finds_frames)
         try:
-            self.warmup = warm_up(self.caches, self.accessors, self.codecs, self.setup, widths)
+            setup = self.setup  # under tensor parallelism, a gather of the same shapes without the collective
+            if setup.gather_heads is not None:
+                setup = dataclasses.replace(setup, gather_heads=tp_warmup_gatherer(runner))
+            self.warmup = warm_up(self.caches, self.accessors, self.codecs, setup, widths)
         except Exception as exc:  # an optimisation: say why it did not run, and serve (compiles at first use)
             logger.warning("cords-vllm: kernel warm-up failed (%s: %s); each width compiles at its first "
                            "compression", type(exc).__name__, exc, exc_info=exc)

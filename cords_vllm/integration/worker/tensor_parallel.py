@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from cords_vllm.compress.tensor_parallel import HeadGather, head_gatherer, local_kv_heads
+from cords_vllm.compress.tensor_parallel import HeadGather, head_gatherer, local_head_gatherer, local_kv_heads
 
 
 def tp_head_gatherer(runner: Any, local_heads: int) -> HeadGather | None:
@@ -32,3 +32,12 @@ def tp_head_gatherer(runner: Any, local_heads: int) -> HeadGather | None:
             f"tensor-parallel ranks should give {expected}; joint selection cannot gather the model's heads in order "
             "(use per_head: true, or --tensor-parallel-size 1)")
     return head_gatherer(get_tp_group().all_gather, world, total)
+
+
+def tp_warmup_gatherer(runner: Any) -> HeadGather | None:
+    """The start-up warm-up's stand-in for :func:`tp_head_gatherer` (same shapes, no collective:
+    :func:`~cords_vllm.compress.tensor_parallel.local_head_gatherer`), or ``None`` with one TP rank."""
+    from vllm.distributed import get_tensor_model_parallel_world_size
+
+    world = get_tensor_model_parallel_world_size()
+    return None if world == 1 else local_head_gatherer(world, runner.model_config.get_total_num_kv_heads())
