@@ -7,6 +7,12 @@ the registers). :class:`LaunchRecorder` records every launch of the kernels that
 argument types and constants of that launch, through Triton's own CUDA pipeline (TTIR, TTGIR, LLVM IR, PTX and
 the ``ptxas`` Triton ships, to a cubin) for given compute capabilities, in a fresh interpreter. Nothing runs on a
 device: this proves the kernels compile as launched, not that they are correct (the interpreted tests do that).
+
+:func:`compiled_as_launched` (and :func:`usage_as_launched` for several) goes further for a launch's *shape* on the
+GPU: it compiles the launch with Triton's own specialization of its arguments (what the JIT would compile on the
+GPU: 16-divisible integers and 16-byte aligned pointers marked so) and reports what the code became, registers and
+spilled stack bytes per thread and the widths of its global accesses. An H100 found a 5x slower copy and spilling
+row programs that this reads on CPU.
 """
 
 from __future__ import annotations
