@@ -64,7 +64,7 @@ def _copy_kernel(base_ptr, offsets_ptr, rows_ptr, pos_ptr, src_ptr, dst_ptr,
     head = (pid % heads).to(tl.int64)
     cache = base_ptr + tl.multiple_of(tl.load(offsets_ptr + layer), ALIGN)
     pos_row = pos_ptr + tl.load(rows_ptr + layer) * pos_s_anchor + head * pos_s_head
-    ch = tl.max_contiguous(tl.multiple_of(tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C), BLOCK_C), BLOCK_C)
+    ch = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     ch_off = (ch.to(tl.int64) * s_channel)[None, :]
     ch_in = (ch < channels)[None, :]
     rows = tl.arange(0, BLOCK_T)
