@@ -108,16 +108,13 @@ class WarmupReport:
     seconds: float
 
     def describe(self) -> str:
-        """The start-up log's line."""
-        kernels = sorted({v.name for v in self.variants})
-        if not self.widths.rows and not self.widths.units:  # the copy alone (warm_up_copy)
-            if not self.variants:
-                return "nothing to compile (the PyTorch path copies these caches)"
-            return f"compiled {len(self.variants)} kernel variant(s) ({', '.join(kernels)}) in {self.seconds:.1f} s"
-        rows = f"{self.widths.rows[0]}-{self.widths.rows[-1]}" if self.widths.rows else "none"
-        units = f"{self.widths.units[0]}-{self.widths.units[-1]}" if self.widths.units else "none"
-        return (f"compiled {len(self.variants)} kernel variants ({', '.join(kernels) or 'none'}) for regions of "
-                f"{rows} rows and {units} units in {self.seconds:.1f} s")
+        """The start-up log's line (the widths where it compiled for any: the copy alone has none)."""
+        if not self.variants:
+            return "nothing to compile"
+        kernels = ", ".join(sorted({v.name for v in self.variants}))
+        rows, units = self.widths.rows, self.widths.units
+        where = f" for regions of {rows[0]}-{rows[-1]} rows and {units[0]}-{units[-1]} units" if rows and units else ""
+        return f"compiled {len(self.variants)} kernel variants ({kernels}){where} in {self.seconds:.1f} s"
 
 
 def variants(recorded: Sequence[Launch], widths: WarmupWidths) -> list[Launch]:
@@ -221,14 +218,14 @@ def warm_up_copy(caches: Sequence[torch.Tensor], accessors: Sequence[KVAccessor]
     layout: no width of it changes with a compression's size). Nothing where the copy is not one launch (caches other
     than paged views: the PyTorch path copies)."""
     start = time.perf_counter()
-    if not all(isinstance(a, PagedAccessor) for a in accessors):
-        return WarmupReport(WarmupWidths((), (), (), False), (), time.perf_counter() - start)
-    device = caches[0].device
-    slots = slots_of(torch.arange(1, 1 + TEMPLATE_BLOCKS, device=device), accessors[0].block_size)
-    n = slots.numel()
-    positions = torch.arange(n, device=device).view(1, 1, n).expand(1, caches[0].shape[1], n)
-    with recording() as recorded:
-        copy_triton.copy_kept(caches, positions, [0] * len(caches), slots, slots)
+    recorded: list[Launch] = []
+    if all(isinstance(a, PagedAccessor) for a in accessors):
+        device = caches[0].device
+        slots = slots_of(torch.arange(1, 1 + TEMPLATE_BLOCKS, device=device), accessors[0].block_size)
+        n = slots.numel()
+        positions = torch.arange(n, device=device).view(1, 1, n).expand(1, caches[0].shape[1], n)
+        with recording() as recorded:
+            copy_triton.copy_kept(caches, positions, [0] * len(caches), slots, slots)
     return WarmupReport(WarmupWidths((), (), (), False), tuple(recorded), time.perf_counter() - start)
 
 

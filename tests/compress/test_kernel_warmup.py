@@ -207,7 +207,7 @@ def test_the_copy_alone_is_warmed_for_a_policy_scoring_observed_queries(monkeypa
     report = kernel_warmup.warm_up_copy(caches, accessors)
     assert all(torch.equal(a, b) for a, b in zip(caches, before, strict=True))
     assert [v.name for v in report.variants] == ["copy"]
-    assert "compiled 1 kernel variant(s) (copy)" in report.describe()
+    assert report.describe().startswith("compiled 1 kernel variants (copy) in ")
 
     setup = SelectionSetup(get_selector(policy), "token", False, (0, 0, 2, 2), kernels="triton")
     batch = with_observation(setup, on_device(first_batches([(40, 6, 17, "token")], FRAME, BS, BLOCKS)[0], "cpu"),
@@ -226,7 +226,7 @@ def test_the_copy_alone_is_warmed_for_a_policy_scoring_observed_queries(monkeypa
     assert {tuple(key) for _, *key in seen} == {tuple(key) for _, *key in _keys(report.variants)}
     # caches the copy does not address in one launch (the CPU engine's tiles): nothing to compile, nothing written
     tiles = kernel_warmup.warm_up_copy(caches, [object()] * LAYERS)
-    assert tiles.variants == () and tiles.describe().startswith("nothing to compile")
+    assert tiles.variants == () and tiles.describe() == "nothing to compile"
 
 
 @pytest.mark.slow

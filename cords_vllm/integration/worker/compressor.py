@@ -267,32 +267,30 @@ class WorkerCompressor:
                            "compressions; each width compiles at its first compression",
                            runner.kv_cache_config.num_blocks, TEMPLATE_BLOCKS)
             return
-        if self.setup.selector.needs_observation:  # no start-up compression has observed queries: the copy alone
-            try:
-                self.warmup = warm_up_copy(self.caches, self.accessors)
-            except Exception as exc:
-                logger.warning("cords-vllm: kernel warm-up failed (%s: %s); the copy compiles at its first "
-                               "compression", type(exc).__name__, exc, exc_info=exc)
-                return
-            logger.info("cords-vllm: kernel warm-up: %s (--kv-policy %s scores observed queries: its selection runs "
-                        "on the PyTorch path)", self.warmup.describe(), self.config.policy)
-            return
-        max_len = runner.vllm_config.model_config.max_model_len
-        max_rows = min(max_len, self.config.stream_footprint_blocks(max_len, self.block_size) * self.block_size)
-        widths = WarmupWidths.for_server(
-            budget=self.config.budget, slack=self.config.slack, block_size=self.block_size,
-            max_rows=max_rows, granularity=self.config.granularity, frames_known=self.facts.finds_frames)
+        observed = self.setup.selector.needs_observation  # no start-up compression has their queries: the copy alone
+        widths = None
+        if not observed:
+            max_len = runner.vllm_config.model_config.max_model_len
+            max_rows = min(max_len, self.config.stream_footprint_blocks(max_len, self.block_size) * self.block_size)
+            widths = WarmupWidths.for_server(
+                budget=self.config.budget, slack=self.config.slack, block_size=self.block_size,
+                max_rows=max_rows, granularity=self.config.granularity, frames_known=self.facts.finds_frames)
         try:
-            setup = self.setup  # under tensor parallelism, a gather of the same shapes without the collective
-            if setup.gather_heads is not None:
-                setup = dataclasses.replace(setup, gather_heads=tp_warmup_gatherer(runner))
-            self.warmup = warm_up(self.caches, self.accessors, self.codecs, setup, widths)
+            if widths is None:
+                self.warmup = warm_up_copy(self.caches, self.accessors)
+            else:
+                setup = self.setup  # under tensor parallelism, a gather of the same shapes without the collective
+                if setup.gather_heads is not None:
+                    setup = dataclasses.replace(setup, gather_heads=tp_warmup_gatherer(runner))
+                self.warmup = warm_up(self.caches, self.accessors, self.codecs, setup, widths)
         except Exception as exc:  # an optimisation: say why it did not run, and serve (compiles at first use)
             logger.warning("cords-vllm: kernel warm-up failed (%s: %s); each width compiles at its first "
                            "compression", type(exc).__name__, exc, exc_info=exc)
             return
-        logger.info("cords-vllm: kernel warm-up: %s%s", self.warmup.describe(),
-                    " (interpreted: nothing to compile)" if interpreting() else "")
+        logger.info("cords-vllm: kernel warm-up: %s%s%s", self.warmup.describe(),
+                    f" (--kv-policy {self.config.policy} scores observed queries: the copy alone; its selection runs "
+                    "on the PyTorch path)" if observed else "",
+                    " (interpreted: nothing to compile)" if interpreting() and self.warmup.variants else "")
 
     # ------------------------------------------------------------------------------------------------
     def on_step(self, runner: Any, scheduler_output: Any) -> None:
