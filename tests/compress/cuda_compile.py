@@ -110,13 +110,15 @@ def compile_for_cuda(launches: list[Launch], capabilities: tuple[int, ...] = (80
 
 @dataclass(frozen=True)
 class Usage:
-    """What a kernel compiled to: registers and stack (spill) bytes per thread, and the widths in bits of its global
-    loads and stores (``128``: 16 bytes per access)."""
+    """What a kernel compiled to: registers and stack (spill) bytes per thread, the widths in bits of its global
+    loads and stores (``128``: 16 bytes per access), and the length of its longest loop in machine instructions."""
 
     registers: int
     stack_bytes: int
     load_bits: tuple[int, ...]
     store_bits: tuple[int, ...]
+    #: SASS instructions in the body of the kernel's longest loop (:func:`loop_instructions`; 0 without a loop).
+    loop_instructions: int = 0
 
 
 def compiled_as_launched(kernel: Any, args: tuple, kwargs: dict, capability: int = 90) -> Usage:
@@ -217,6 +219,7 @@ def _usage(compiled: Any) -> dict:
         cubin.flush()
         report = subprocess.run([tool, "--dump-resource-usage", cubin.name], capture_output=True, text=True,
                                 check=True).stdout
+        sass = subprocess.run([tool, "-sass", cubin.name], capture_output=True, text=True, check=True).stdout
     found = re.search(r"REG:(\d+) STACK:(\d+)", report)
     ptx = compiled.asm["ptx"]
 
@@ -228,7 +231,26 @@ def _usage(compiled: Any) -> dict:
         return sorted(widths)
 
     return {"registers": int(found.group(1)), "stack_bytes": int(found.group(2)), "load_bits": tuple(bits("ld")),
-            "store_bits": tuple(bits("st"))}
+            "store_bits": tuple(bits("st")), "loop_instructions": loop_instructions(sass)}
+
+
+def loop_instructions(sass: str) -> int:
+    """Machine instructions in the body of the longest loop of a kernel's SASS (``cuobjdump -sass``): from the target
+    of a backward branch to the branch, both included; 0 where no branch goes back.
+
+    A loop whose every iteration waits on the one before (the greedy kernel's steps) runs at the rate its SM issues
+    instructions, one per cycle per scheduler for ``num_warps / 4`` warps each: the body's length is the proxy of its
+    time that a machine without a GPU can read."""
+    import re
+
+    address = [(int(a, 16), text) for a, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    longest = 0
+    for at, text in address:
+        target = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
+        if target and int(target.group(1), 16) <= at:
+            start = int(target.group(1), 16)
+            longest = max(longest, sum(start <= a <= at for a, _ in address))
+    return longest
 
 
 if __name__ == "__main__":
