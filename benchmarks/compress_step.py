@@ -299,7 +299,11 @@ def measure(case: Case, kernels: str, device: torch.device, dtype: torch.dtype, 
 #: programs (which hold a region's rows) and the greedy run (which holds a problem's units).
 SWEEPS = {"plan + finish": (step_triton, "_row_warps"), "greedy": (cords_triton, "_warps")}
 #: The warps each kernel is timed at.
-SWEEP_WARPS = (4, 8, 16, 32)
+SWEEP_WARPS = (1, 2, 4, 8, 16, 32)
+#: Warps too few for a kernel's widest rows (thousands of rows on one or two warps spill): timed only where the greedy
+#: run holds a few hundred units or fewer (frame and block units), whose steps wait on three program-wide
+#: reductions each, which one or two warps make without a barrier.
+FEW_WARPS = (1, 2)
 #: The cases ``--sweep-warps`` times: one anchor at each unit.
 SWEEP_CASES = ("frame, anchors [0]", "block, anchors [0]", "token, anchors [0]")
 
@@ -307,13 +311,16 @@ SWEEP_CASES = ("frame, anchors [0]", "block, anchors [0]", "token, anchors [0]")
 def sweep_warps(chosen: list[Case], device: torch.device, dtype: torch.dtype, repeats: int, bandwidth: float,
                 reference: dict[str, list[torch.Tensor]]) -> list[dict]:
     """The fused step's wall time with each kernel's warps forced to each of :data:`SWEEP_WARPS` in turn (the
-    others as chosen), per case; whether the setting kept the same ids (it must: the kernels' reductions are maxima,
-    minima and integer sums, exact in any order); and which setting the module's rule picks today."""
+    others as chosen; :data:`FEW_WARPS` for the greedy run at frame and block units only), per case; whether the
+    setting kept the same ids (it must: the kernels' reductions are maxima, minima and integer sums, exact in any
+    order); and which setting the module's rule picks today."""
     out = []
     for case in chosen:
         for kernel, (module, name) in SWEEPS.items():
             rule = getattr(module, name)
             for warps in SWEEP_WARPS:
+                if warps in FEW_WARPS and (kernel != "greedy" or case.granularity == "token"):
+                    continue
                 picked = []  # what the rule would have picked, seen as the kernel launches
 
                 def forced(block: int, w: int = warps, rule=rule, picked=picked) -> int:

@@ -25,7 +25,9 @@ view, so every :class:`~vllm.v1.kv_cache_layout.KVCacheLayout` is the same kerne
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -110,6 +112,61 @@ def _signature(cache: torch.Tensor) -> tuple:
     return cache.dtype, tuple(cache.shape), tuple(cache.stride()), cache.device
 
 
+@dataclass(frozen=True)
+class _Group:
+    """Layers of one layout, moved by one launch: their indices, the first one's, every layer's element offset from
+    it on the device, and the launch's settings that follow from the layout."""
+
+    layers: tuple[int, ...]
+    offsets: torch.Tensor
+    block_c: int
+    grid: tuple[int, int]
+    align: int
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """The copy's groups of a list of caches (:func:`_layout`), with what tells that list again: a weak reference to
+    each cache tensor and each one's address (a tensor given new storage in place moves)."""
+
+    caches: tuple[weakref.ref, ...]
+    addresses: tuple[int, ...]
+    groups: tuple[_Group, ...]
+
+    def of(self, caches: Sequence[torch.Tensor]) -> bool:
+        return (len(caches) == len(self.caches)
+                and all(ref() is cache for ref, cache in zip(self.caches, caches, strict=True))
+                and tuple(cache.data_ptr() for cache in caches) == self.addresses)
+
+
+_LAST: list[_Layout] = []
+
+
+def _layout(caches: Sequence[torch.Tensor]) -> tuple[_Group, ...]:
+    """The layers grouped by layout, each group's offsets and launch settings: worked out once per list of cache
+    tensors (an engine's, which live as long as it: 28 layers' shapes, strides and addresses were a quarter of the
+    fused step's host time per compression), and again for any other list. Keeps weak references only: a cache the
+    engine frees is not held here."""
+    last = _LAST[0] if _LAST else None  # read once: another thread may replace it
+    if last is not None and last.of(caches):
+        return last.groups
+    by_signature: dict[tuple, list[int]] = {}
+    for layer, cache in enumerate(caches):
+        by_signature.setdefault(_signature(cache), []).append(layer)
+    groups = []
+    for layers in by_signature.values():
+        first = caches[layers[0]]
+        size, (_, heads, _, channels) = first.element_size(), first.shape
+        starts = [caches[i].data_ptr() - first.data_ptr() for i in layers]
+        if any(s % size for s in starts):
+            raise ValueError("KV caches of one layout must be element-aligned with each other")
+        block_c = min(triton.next_power_of_2(channels), max(16, CHUNK_BYTES // size))
+        groups.append(_Group(tuple(layers), _device_table(tuple(s // size for s in starts), first.device), block_c,
+                             (len(layers) * heads, triton.cdiv(channels, block_c)), alignment(first, starts, block_c)))
+    _LAST[:] = [_Layout(tuple(weakref.ref(c) for c in caches), tuple(c.data_ptr() for c in caches), tuple(groups))]
+    return tuple(groups)
+
+
 def copy_kept(caches: Sequence[torch.Tensor], positions: torch.Tensor, anchor_row: Sequence[int],
               src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
     """Move every layer's kept tokens into place, one launch per group of layers sharing a layout.
@@ -130,28 +187,15 @@ def copy_kept(caches: Sequence[torch.Tensor], positions: torch.Tensor, anchor_ro
     num_keep = dst_slots.shape[0]
     if num_keep == 0:
         return
-    groups: dict[tuple, list[int]] = {}
-    for layer, cache in enumerate(caches):
-        groups.setdefault(_signature(cache), []).append(layer)
     _, heads, block_size, channels = caches[0].shape
     kernel = _compiled(interpreting())
     src_slots, dst_slots = src_slots.contiguous(), dst_slots.contiguous()
-    for layers in groups.values():
-        first = caches[layers[0]]
-        size = first.element_size()
-        base = first.view(_RAW[size])
-        starts = [caches[i].data_ptr() - first.data_ptr() for i in layers]
-        if any(s % size for s in starts):
-            raise ValueError("KV caches of one layout must be element-aligned with each other")
-        offsets = _device_table(tuple(s // size for s in starts), first.device)
-        rows = _device_table(tuple(anchor_row[i] for i in layers), first.device)
-        s_block, s_head, s_offset, s_channel = first.stride()
-        block_c = min(triton.next_power_of_2(channels), max(16, CHUNK_BYTES // size))
-        grid = (len(layers) * heads, triton.cdiv(channels, block_c))
-        launch("copy", kernel, grid, base, offsets, rows, positions, src_slots, dst_slots, num_keep, heads, channels,
-               s_block, s_head, s_offset, s_channel, *positions.stride(),
-               BLOCK_SIZE=block_size, BLOCK_T=TILE_ROWS, BLOCK_C=block_c,
-               ALIGN=alignment(first, starts, block_c), num_warps=WARPS)
+    for group in _layout(caches):
+        first = caches[group.layers[0]]
+        rows = _device_table(tuple(anchor_row[i] for i in group.layers), first.device)
+        launch("copy", kernel, group.grid, first.view(_RAW[first.element_size()]), group.offsets, rows, positions,
+               src_slots, dst_slots, num_keep, heads, channels, *first.stride(), *positions.stride(),
+               BLOCK_SIZE=block_size, BLOCK_T=TILE_ROWS, BLOCK_C=group.block_c, ALIGN=group.align, num_warps=WARPS)
 
 
 def alignment(first: torch.Tensor, starts: Sequence[int], block_c: int) -> int:

@@ -223,3 +223,49 @@ def test_the_reference_path_launches_per_layer_and_per_step(monkeypatch):
         return counter.launches
 
     assert count(6, 6) > count(3, 6) and count(3, 11) > count(3, 6)
+
+
+def test_the_copy_works_out_its_layers_layout_once_per_list_of_caches_and_again_when_a_cache_changes(monkeypatch):
+    """``copy_kept`` groups the layers by layout and reads each one's address (for 28 layers, a quarter of the fused
+    step's host time per compression): once per list of cache tensors. A list holding another tensor, or a cache
+    given new storage in place, is worked out again and moved right; the memo holds no cache alive."""
+    import weakref
+
+    if not copy_triton.interpreting():
+        pytest.skip("the copy runs on CPU under TRITON_INTERPRET=1")
+    looked_at = []
+    signature = copy_triton._signature
+    monkeypatch.setattr(copy_triton, "_signature", lambda cache: looked_at.append(cache) or signature(cache))
+    positions = torch.tensor([1, 3, 4, 7, 8, 10]).view(1, 1, -1).expand(1, HEADS, -1)  # kept rows, pos[i] >= i
+    src = slots_of(torch.tensor([3, 9, 4]), BS)
+    dst = src[: positions.shape[-1]]
+
+    def copied(caches: list[torch.Tensor]) -> None:
+        """The copy moves each layer's kept rows as a loop over rows does."""
+        expected = []
+        for cache in caches:
+            want = cache.clone()
+            for h in range(HEADS):
+                for i, row in enumerate(positions[0, h].tolist()):
+                    s, d = src[row].item(), dst[i].item()
+                    want[d // BS, h, d % BS] = cache[s // BS, h, s % BS]
+            expected.append(want)
+        copy_triton.copy_kept(caches, positions, [0] * len(caches), src, dst)
+        assert all(torch.equal(c, w) for c, w in zip(caches, expected, strict=True))
+
+    caches = _caches(3, "NBHC", torch.bfloat16, shared=False, device="cpu")
+    copied(caches)
+    assert len(looked_at) == 3
+    copied(caches)
+    assert len(looked_at) == 3  # the same tensors: nothing looked at again
+    other = _caches(3, "NBHC", torch.bfloat16, shared=False, device="cpu")[1]
+    caches[1] = other
+    copied(caches)
+    assert len(looked_at) == 6  # another tensor in the list
+    caches[2].set_(caches[2].clone())  # new storage, same tensor
+    copied(caches)
+    assert len(looked_at) == 9
+    gone = weakref.ref(other)
+    looked_at.clear()
+    del caches, other
+    assert gone() is None
