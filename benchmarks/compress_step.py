@@ -308,6 +308,13 @@ FEW_WARPS = (1, 2)
 SWEEP_CASES = ("frame, anchors [0]", "block, anchors [0]", "token, anchors [0]")
 
 
+def swept(case: Case) -> list[tuple[str, int]]:
+    """The ``(kernel, warps)`` settings ``--sweep-warps`` times for ``case``: each of :data:`SWEEPS` at each of
+    :data:`SWEEP_WARPS`, but :data:`FEW_WARPS` only for the greedy run at frame and block units."""
+    return [(kernel, warps) for kernel in SWEEPS for warps in SWEEP_WARPS
+            if warps not in FEW_WARPS or (kernel == "greedy" and case.granularity != "token")]
+
+
 def sweep_warps(chosen: list[Case], device: torch.device, dtype: torch.dtype, repeats: int, bandwidth: float,
                 reference: dict[str, list[torch.Tensor]]) -> list[dict]:
     """The fused step's wall time with each kernel's warps forced to each of :data:`SWEEP_WARPS` in turn (the
@@ -316,28 +323,26 @@ def sweep_warps(chosen: list[Case], device: torch.device, dtype: torch.dtype, re
     order); and which setting the module's rule picks today."""
     out = []
     for case in chosen:
-        for kernel, (module, name) in SWEEPS.items():
+        for kernel, warps in swept(case):
+            module, name = SWEEPS[kernel]
             rule = getattr(module, name)
-            for warps in SWEEP_WARPS:
-                if warps in FEW_WARPS and (kernel != "greedy" or case.granularity == "token"):
-                    continue
-                picked = []  # what the rule would have picked, seen as the kernel launches
+            picked = []  # what the rule would have picked, seen as the kernel launches
 
-                def forced(block: int, w: int = warps, rule=rule, picked=picked) -> int:
-                    picked.append(rule(block))
-                    return w
-                setattr(module, name, forced)
-                try:
-                    row, ids = measure(case, "triton", device, dtype, repeats, bandwidth, warm=False)
-                finally:
-                    setattr(module, name, rule)
-                today = warps in picked[:1]
-                same = None if case.name not in reference else all(
-                    torch.equal(a, b) for a, b in zip(reference[case.name], ids, strict=True))
-                out.append({"case": case.name, "kernel": kernel, "warps": warps, "wall_ms": row.wall_ms,
-                            "busy_ms": row.busy_ms, "today": today, "same_ids": same})
-                print(f"{case.name:32s} {kernel:14s} warps {warps:2d}  wall {row.wall_ms:9.2f} ms  "
-                      f"same ids {same}", flush=True)
+            def forced(block: int, w: int = warps, rule=rule, picked=picked) -> int:
+                picked.append(rule(block))
+                return w
+            setattr(module, name, forced)
+            try:
+                row, ids = measure(case, "triton", device, dtype, repeats, bandwidth, warm=False)
+            finally:
+                setattr(module, name, rule)
+            today = warps in picked[:1]
+            same = None if case.name not in reference else all(
+                torch.equal(a, b) for a, b in zip(reference[case.name], ids, strict=True))
+            out.append({"case": case.name, "kernel": kernel, "warps": warps, "wall_ms": row.wall_ms,
+                        "busy_ms": row.busy_ms, "today": today, "same_ids": same})
+            print(f"{case.name:32s} {kernel:14s} warps {warps:2d}  wall {row.wall_ms:9.2f} ms  "
+                  f"same ids {same}", flush=True)
     return out
 
 
