@@ -114,8 +114,8 @@ def _signature(cache: torch.Tensor) -> tuple:
 
 @dataclass(frozen=True)
 class _Group:
-    """Layers of one layout, moved by one launch: their indices, the first one's, every layer's element offset from
-    it on the device, and the launch's settings that follow from the layout."""
+    """Layers of one layout, moved by one launch: their indices, every layer's element offset from the first one's
+    tokens (a device table), and the launch's settings that follow from the layout."""
 
     layers: tuple[int, ...]
     offsets: torch.Tensor

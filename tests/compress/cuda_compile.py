@@ -238,9 +238,9 @@ def loop_instructions(sass: str) -> int:
     """Machine instructions in the body of the longest loop of a kernel's SASS (``cuobjdump -sass``): from the target
     of a backward branch to the branch, both included; 0 where no branch goes back.
 
-    A loop whose every iteration waits on the one before (the greedy kernel's steps) runs at the rate its SM issues
-    instructions, one per cycle per scheduler for ``num_warps / 4`` warps each: the body's length is the proxy of its
-    time that a machine without a GPU can read."""
+    A loop whose every iteration waits on the one before (the greedy kernel's steps) takes at least the cycles its SM
+    needs to issue the body for all warps, one instruction per cycle per scheduler for ``num_warps / 4`` warps each:
+    the body's length is a floor on its time that a machine without a GPU can read (latency adds to it)."""
     import re
 
     address = [(int(a, 16), text) for a, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
