@@ -6,7 +6,7 @@ import pytest
 
 from cords_vllm import demo
 
-pytestmark = pytest.mark.server
+pytestmark = [pytest.mark.server, pytest.mark.serial]  # its streams keep pace with a wall clock
 
 
 def test_demo_streams_live_cameras_and_answers_right_under_cords(tmp_path, capsys):
