@@ -119,6 +119,8 @@ class Usage:
     store_bits: tuple[int, ...]
     #: SASS instructions in the body of the kernel's longest loop (:func:`loop_instructions`; 0 without a loop).
     loop_instructions: int = 0
+    #: Global loads in that loop whose address comes from a load of the same iteration (:func:`dependent_loads`).
+    dependent_loads: int = 0
 
 
 def compiled_as_launched(kernel: Any, args: tuple, kwargs: dict, capability: int = 90) -> Usage:
@@ -179,6 +181,16 @@ def mismatched_branches(x_ptr, n, BLOCK: tl.constexpr):
     tl.store(x_ptr + i, y)
 
 
+def chained_loads(rows_ptr, x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """A loop whose every step reads rows, then the values they point at (each load's address from a load of the same
+    step): the negative control of :func:`dependent_loads`."""
+    i = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in range(0, n, BLOCK):
+        acc += tl.load(x_ptr + tl.load(rows_ptr + j + i))
+    tl.store(out_ptr + i, acc)
+
+
 def _compile_jobs(request: dict) -> dict[str, str]:
     import importlib
 
@@ -231,7 +243,66 @@ def _usage(compiled: Any) -> dict:
         return sorted(widths)
 
     return {"registers": int(found.group(1)), "stack_bytes": int(found.group(2)), "load_bits": tuple(bits("ld")),
-            "store_bits": tuple(bits("st")), "loop_instructions": loop_instructions(sass)}
+            "store_bits": tuple(bits("st")), "loop_instructions": loop_instructions(sass),
+            "dependent_loads": dependent_loads(sass)}
+
+
+def _longest_loop(sass: str) -> list[str]:
+    """The instructions (text, predicate included) of the longest loop of a kernel's SASS: from the target of a
+    backward branch to the branch, both included; empty where no branch goes back."""
+    import re
+
+    address = [(int(a, 16), text.strip()) for a, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    span = None
+    for at, text in address:
+        target = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
+        start = int(target.group(1), 16) if target else at + 1
+        if start <= at and (span is None or at - start > span[1] - span[0]):
+            span = (start, at)
+    return [] if span is None else [text for at, text in address if span[0] <= at <= span[1]]
+
+
+def _registers(operand: str, wide: bool) -> set[str]:
+    """General registers an operand names: ``R12``, a pair ``R12.64`` (or any register of a 64-bit op), a vector's
+    base ``R12`` of a 128-bit access (four), the address registers of ``desc[UR4][R12.64+0x8]``."""
+    import re
+
+    found = set()
+    for base, suffix in re.findall(r"\bR(\d+)(\.64|\.128)?", operand):
+        width = 4 if suffix == ".128" else 2 if suffix == ".64" or wide else 1
+        found |= {f"R{int(base) + i}" for i in range(width)}
+    return found
+
+
+def dependent_loads(sass: str) -> int:
+    """Global loads in the longest loop of a kernel's SASS whose address depends on a value a global load of the same
+    iteration brought: each such load waits for the other to return before it can even issue, so an iteration that
+    chains ``n`` of them waits ``n`` memory latencies. Registers written by a load are followed through every
+    instruction that reads them (to their destinations) down the loop body; values carried in from the iteration
+    before count as independent. ``0``: every load of an iteration can be in flight at once."""
+    tainted: set[str] = set()
+    chained = 0
+    for text in _longest_loop(sass):
+        words = text.split(None, 2) if text.startswith("@") else ["", *text.split(None, 1)]
+        op, operands = words[1], words[2] if len(words) > 2 else ""
+        parts = [p.strip() for p in operands.split(",")] if operands else []
+        if not parts or op.startswith(("ST", "BRA", "BAR", "RED", "ATOM", "ISETP", "FSETP", "HSETP")):
+            continue  # no general register written (stores, branches, barriers, predicate sets)
+        wide = ".64" in op or ".WIDE" in op
+        load = op.startswith(("LDG", "LD."))
+        width = 4 if ".128" in op else 2 if ".64" in op else 1
+        dest = {f"R{int(r[1:]) + i}" for r in _registers(parts[0], False) for i in range(width if load else 1)}
+        if wide and not load:
+            dest |= _registers(parts[0], True)
+        sources = set().union(*(_registers(p, wide) for p in parts[1:]))
+        if load:
+            chained += bool(sources & tainted)
+            tainted |= dest
+        elif sources & tainted:
+            tainted |= dest
+        else:
+            tainted -= dest
+    return chained
 
 
 def loop_instructions(sass: str) -> int:
@@ -241,16 +312,7 @@ def loop_instructions(sass: str) -> int:
     A loop whose every iteration waits on the one before (the greedy kernel's steps) takes at least the cycles its SM
     needs to issue the body for all warps, one instruction per cycle per scheduler for ``num_warps / 4`` warps each:
     the body's length is a floor on its time that a machine without a GPU can read (latency adds to it)."""
-    import re
-
-    address = [(int(a, 16), text) for a, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
-    longest = 0
-    for at, text in address:
-        target = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
-        if target and int(target.group(1), 16) <= at:
-            start = int(target.group(1), 16)
-            longest = max(longest, sum(start <= a <= at for a, _ in address))
-    return longest
+    return len(_longest_loop(sass))
 
 
 if __name__ == "__main__":
