@@ -26,14 +26,17 @@ fp8 cache, whose anchors' scales are gathered, and one more in the normalized sp
 
 A step's compressions (:func:`~cords_vllm.compress.step.compress_regions`) share steps 2-3: their units are written to
 rows of one zero-filled buffer (each problem padded with invalid units to the step's largest unit count) and ordered
-by one greedy run, ``4 N + 4`` launches for ``N`` compressions (:class:`UnitRowsToMake`, :class:`GreedyOnRows`).
+by one greedy run, ``4 N + 4`` launches for ``N`` compressions (:class:`UnitRowsToMake`, :class:`GreedyOnRows`), one
+more where two or more of them read their frame stats back (:class:`StatsToRead`).
 A compression's rows are padded with invalid units to a multiple of :data:`UNIT_ROWS` in any case.
 
 Compiles: every kernel leaves the arguments that change from one compression to the next unspecialized
 (:data:`NOT_SPECIALIZED`), so a compression of another size runs the kernels already compiled.
 
 Frame granularity reads one thing back to the host, as the reference does: the most frames a problem holds and the
-frame budget (a ``[P, 2]`` read). The other granularities read nothing.
+frame budget (a ``[P, 2]`` read). The other granularities read nothing. A step's frame compressions read theirs
+together, one host sync per step (:class:`StatsToRead`), and what the host prepares for the later launches without
+the plan's results is prepared before that read, while the plan runs.
 
 Same kept tokens as the reference: the units' features are the same sums in another order, so they may differ in
 their last bits; the greedy kernel's tie slack (:func:`~cords_vllm.selection.cords.snap_tolerance`) is there for
@@ -590,6 +593,40 @@ class _UnitRows:
     stop: int = 0
 
 
+@dataclass(frozen=True, eq=False)
+class StatsToRead:
+    """A fused compression's host read (:class:`~cords_vllm.selection.together.Stackable`): its plan's frame count
+    and frame budget per problem (``stats``: ``int32 [P, 2]``, read as a list of ``[count, budget]`` pairs), or
+    nothing (``None``, at block and token units: they yield too, so that a step's compressions reach their units'
+    buffers and greedy run at the same point and share them). A step's reads are done together: one copy of all its
+    frame compressions' stats and one host sync, whatever their number (each alone: a sync per compression, each
+    waiting for the plans launched after the one before it)."""
+
+    device: torch.device
+    stats: torch.Tensor | None
+
+    def stack_key(self) -> torch.device:
+        return self.device
+
+    def run(self) -> list[list[int]] | None:
+        return None if self.stats is None else self.stats.tolist()
+
+    @classmethod
+    def run_stack(cls, items: Sequence[StatsToRead]) -> list[list[list[int]] | None]:
+        reading = [i.stats for i in items if i.stats is not None]
+        if len(reading) <= 1:
+            return [i.run() for i in items]
+        pairs = torch.cat(reading).tolist()  # one launch, one sync
+        out, row = [], 0
+        for item in items:
+            if item.stats is None:
+                out.append(None)
+                continue
+            out.append(pairs[row:row + item.stats.shape[0]])
+            row += item.stats.shape[0]
+        return out
+
+
 @dataclass(frozen=True)
 class UnitRowsToMake:
     """A fused compression's units' buffers (:class:`~cords_vllm.selection.together.Stackable`): its own, or, for a
@@ -700,7 +737,8 @@ def compress_region_fused_steps(caches: Sequence[torch.Tensor], held: Sequence, 
     """:func:`~cords_vllm.compress.step.compress_region` (same arguments, same result) in seven launches (one more
     with an fp8 cache, one more in the normalized space), as a generator (:mod:`~cords_vllm.selection.together`): a
     step's fused compressions share their units' buffers and one greedy run (the two Gram GEMMs and the greedy kernel
-    for all of them: ``4 N + 4`` launches for ``N`` compressions).
+    for all of them: ``4 N + 4`` launches for ``N`` compressions, one more where two or more read frame stats back,
+    in one host sync).
 
     Returns ``None``, before anything is written (the caller then runs the PyTorch path): the region exceeds
     :data:`MAX_ROWS` or the problem the greedy kernel's limits, or a layer holds other tokens than its anchor (held
@@ -774,9 +812,22 @@ def compress_region_fused_steps(caches: Sequence[torch.Tensor], held: Sequence, 
         n_prev, n_tok, hp, batch.num_recent, need, group or 1,
         MODE=mode, LABELS=labels, **row_width(block_t))
 
+    # What needs nothing the plan computes is worked out while it runs, before the frame mode's read waits for it.
+    params = setup.selector.greedy_params()
+    gather = None if per_head else setup.gather_heads
+    scan = nonfinite is not None
+    s_block, s_head, s_offset, s_channel = first.stride()
+    starts = tuple(caches[a].data_ptr() - first.data_ptr() for a in anchors)  # bytes
+    offsets = copy_triton._device_table(tuple(s // first.element_size() for s in starts), device)  # made once
+    block_f = max(16, triton.next_power_of_2(width))
+    tile_rows = max(1, TILE_ELEMENTS // block_f)
+    scan_programs = cdiv(n_tok, tile_rows) if scan else 0
+    fp8 = _fp8_mode(codecs, anchors)
+    scales = _scales(codecs, anchors, heads, device) if fp8 else empty_long
+
+    per_problem = yield StatsToRead(device, stats if mode == FRAME else None)  # with the step's other reads
     frame_budget = 0
     if mode == FRAME:  # the compression's one host read: the most frames of a problem, and the frame budget
-        per_problem = stats.tolist()
         m_units = max(c for c, _ in per_problem)
         frame_budget = batch.frame_budget if batch.frame_budget is not None else max(b for _, b in per_problem)
         k_max = frame_budget * (m_units > frame_budget)
@@ -788,8 +839,6 @@ def compress_region_fused_steps(caches: Sequence[torch.Tensor], held: Sequence, 
     if m_units > MAX_UNITS or n_prob * m_units * m_units * 8 > GRAM_LIMIT_BYTES:
         return _handed_back(f"more than {MAX_UNITS} units or {GRAM_LIMIT_BYTES >> 30} GiB of Gram matrices")
 
-    params = setup.selector.greedy_params()
-    gather = None if per_head else setup.gather_heads
     unit_rows = cdiv(max(m_units, 1), UNIT_ROWS) * UNIT_ROWS  # the units' rows, padded with invalid units
     to_make = UnitRowsToMake(device, n_prob, unit_rows, width)
     # Under tensor parallelism (joint selection) this rank's units are made alone, then gathered with the other
@@ -797,15 +846,6 @@ def compress_region_fused_steps(caches: Sequence[torch.Tensor], held: Sequence, 
     rows = (yield to_make) if gather is None else to_make.run()
     feats, valid, k = rows.feats, rows.valid, rows.k
     kn, vn, seed = rows.norms.unbind(0)
-    scan = nonfinite is not None
-    s_block, s_head, s_offset, s_channel = first.stride()
-    starts = tuple(caches[a].data_ptr() - first.data_ptr() for a in anchors)  # bytes
-    offsets = copy_triton._device_table(tuple(s // first.element_size() for s in starts), device)  # made once
-    block_f = max(16, triton.next_power_of_2(width))
-    tile_rows = max(1, TILE_ELEMENTS // block_f)
-    scan_programs = cdiv(n_tok, tile_rows) if scan else 0
-    fp8 = _fp8_mode(codecs, anchors)
-    scales = _scales(codecs, anchors, heads, device) if fp8 else empty_long
     launch("units", _compiled(interp, "units"), (n_prob, unit_rows + scan_programs),
         first, offsets, scales, batch.src_slots.contiguous(), row_of_rank, unit_start, unit_size, count,
         feats, kn, vn, seed, valid, k, flag,
