@@ -5,7 +5,8 @@ Runs the pure compress step (:func:`~cords_vllm.compress.step.compress_region`, 
 7,744 tokens (64 text tokens, 30 frames of 256) and keeping 6,208 (24 frames), at ``cords``'s defaults, per
 granularity and anchor set, with each implementation (``--kernels``). Per row:
 
-* ``wall ms``: one compression as the worker sees it, launches and the host read included (median of
+* ``wall ms``: one compression as the worker sees it (its batch gives the entering labels' runs, as the worker's
+  does, so a frame compression reads nothing back), launches and any host read included (median of
   ``--repeats``; the caches are restored from a pristine copy between runs, outside the timing);
 * ``GPU ms``: the time between CUDA events around it (the device waits for the host's launches too);
   ``busy ms``: what the device's kernels and copies took, added up (profiler);
@@ -47,6 +48,7 @@ from pathlib import Path
 import torch
 
 from cords_vllm.compress import step_triton
+from cords_vllm.compress.frames import label_runs
 from cords_vllm.compress.kernel_warmup import WarmupWidths, compiled_variants, warm_up
 from cords_vllm.compress.kv_access import PagedAccessor, slots_of
 from cords_vllm.compress.step import RegionBatch, SelectionSetup, compress_region
@@ -136,13 +138,15 @@ def build(shape: RegionShape, granularity: str, device: torch.device, dtype: tor
     caches = [torch.randn(num_blocks, shape.heads, bs, 2 * shape.head_size, generator=g).to(device, dtype)
               for _ in range(shape.layers)]
     blocks = torch.randperm(num_blocks, generator=g)[:region_blocks].to(device)
-    labels = torch.cat([torch.zeros(shape.text, dtype=torch.long),
-                        torch.arange(shape.frames).repeat_interleave(shape.frame_tokens) + 1]).to(device)
+    host_labels = torch.cat([torch.zeros(shape.text, dtype=torch.long),
+                             torch.arange(shape.frames).repeat_interleave(shape.frame_tokens) + 1])
+    labels = host_labels.to(device)
     batch = RegionBatch(
         src_slots=slots_of(blocks, bs), dst_slots=slots_of(blocks[: shape.kept // bs], bs),
         new_ids=torch.arange(shape.held, device=device),
         spans=torch.tensor([[shape.text, shape.held]], device=device),
-        new_labels=labels if granularity in ("frame", AUTO) else None, num_keep=shape.kept,
+        new_labels=labels if granularity in ("frame", AUTO) else None,
+        new_label_runs=label_runs(host_labels) if granularity in ("frame", AUTO) else None, num_keep=shape.kept,
         num_keep_candidates=shape.kept - shape.text, num_candidates=shape.held - shape.text,
         group_size={"frame": shape.frame_tokens, "block": unit.group_size or bs}.get(unit.granularity),
         frame_tokens=shape.frame_tokens, granularity=unit.granularity)

@@ -48,3 +48,11 @@ def layout_labels(begin: int, end: int, inputs: Sequence[tuple[int, int]], token
             labels[lo - begin: hi - begin] = offset + torch.div(labels[lo - begin: hi - begin] - offset,
                                                                 tokens_per_frame, rounding_mode="floor")
     return labels
+
+
+def label_runs(labels: torch.Tensor) -> int:
+    """Runs of equal labels in ``labels`` (``long [N]``, host): 1 plus the times a label differs from the one
+    before, 0 for none. An upper bound on the frames among any subsequence of those tokens (what a frame
+    compression's host sizes it by, :attr:`~cords_vllm.compress.step.RegionBatch.new_label_runs`)."""
+    n = labels.shape[0]
+    return 0 if n == 0 else 1 + int(torch.count_nonzero(labels[1:] != labels[:-1]))

@@ -53,12 +53,13 @@ the policies and caches :mod:`~cords_vllm.compress.step_triton` covers take its 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from cords_vllm.compress.kv_access import KVAccessor, PagedAccessor, run_view
 from cords_vllm.compress.kv_codec import KVCodec, PlainCodec
+from cords_vllm.compress.late_read import LateRead
 from cords_vllm.compress.tensor_parallel import HeadGather
 from cords_vllm.compress.unit_choice import AUTO
 from cords_vllm.kernel_backend import describe, kernels_in_force, use_triton
@@ -100,10 +101,16 @@ class RegionBatch:
     frame_budget:
         Frames to ask the selector for at frame granularity. ``None`` (what the worker passes): the fewest that
         always hold enough, read back with the frame count in the compression's one host read (see
-        :func:`~cords_vllm.selection.exact.select_exact`); the host cannot know it, since which frames the
-        region still holds, and how far one of them was trimmed, was decided on the device.
+        :func:`~cords_vllm.selection.exact.select_exact`), or on the fused step taken from its plan on the device
+        (see :attr:`new_label_runs`); the host cannot know it, since which frames the region still holds, and how
+        far one of them was trimmed, was decided on the device.
     frame_tokens:
         Tokens per frame for frame-aware policies at token granularity, or ``None``.
+    new_label_runs:
+        Runs of equal labels in ``new_labels`` (``1 +`` the times a label differs from the one before), counted by
+        the host where the labels are, or ``None``. With the held tokens' runs (:attr:`HeldTokens.label_runs`) an
+        upper bound on the frames a frame compression's region holds, so that the fused step sizes it without
+        reading the device (:mod:`~cords_vllm.compress.step_triton`).
     observed:
         The observation queries of attention-scored policies (:class:`ObservedQueries`), or ``None``.
     num_recent:
@@ -125,6 +132,7 @@ class RegionBatch:
     group_size: int | None = None
     frame_budget: int | None = None
     frame_tokens: int | None = None
+    new_label_runs: int | None = None
     observed: ObservedQueries | None = None
     num_recent: int = 0
     granularity: str | None = None
@@ -205,12 +213,15 @@ class HeldTokens:
 
     ``ids``: ``long [H, n]``, each token's index in the stream (as if nothing had been removed from it);
     ``candidates``: ``bool [H, n]``, whether it may be evicted (video); ``labels``: ``long [H, n]``, its frame
-    label (frame granularity), or ``None``. All on the KV cache's device.
+    label (frame granularity), or ``None``. All on the KV cache's device. ``label_runs``: where the fused step made
+    them, the runs of equal labels in each of its problems' rows (:class:`~cords_vllm.compress.late_read.LateRead`,
+    on their way to the host), else ``None``.
     """
 
     ids: torch.Tensor
     candidates: torch.Tensor
     labels: torch.Tensor | None
+    label_runs: LateRead | None = field(default=None, compare=False, repr=False)
 
     def gather(self, index: torch.Tensor) -> HeldTokens:
         """The tokens at ``index`` (``long [H, m]``) of each head."""

@@ -6,7 +6,8 @@ the CPU path and the reference this one is tested against), for the greedy D^2 f
 ``k_only``, ``v_only``). Where the PyTorch path runs a hundred-odd small ops per compression (region tokens,
 candidate ranks, frame ids, frame budget, centroids, the exact-count trim, the sort of kept positions, the held
 tokens' gathers), this one runs seven launches whatever the granularity, layer count or anchor count (one more with an
-fp8 cache, whose anchors' scales are gathered, and one more in the normalized space):
+fp8 cache, whose anchors' scales are gathered, one more in the normalized space, and on CUDA, where the region has
+frame labels, the copy of their runs to the host, 4 bytes per problem, :class:`~.late_read.LateRead`):
 
 1. :func:`_plan_kernel`, one program per problem (anchor, or anchor and KV head per head): the region's tokens
    (previously held, then entering), the recent window's protection, and the *units* the policy ranks: candidate
@@ -33,10 +34,16 @@ A compression's rows are padded with invalid units to a multiple of :data:`UNIT_
 Compiles: every kernel leaves the arguments that change from one compression to the next unspecialized
 (:data:`NOT_SPECIALIZED`), so a compression of another size runs the kernels already compiled.
 
-Frame granularity reads one thing back to the host, as the reference does: the most frames a problem holds and the
-frame budget (a ``[P, 2]`` read). The other granularities read nothing. A step's frame compressions read theirs
-together, one host sync per step (:class:`StatsToRead`), and what the host prepares for the later launches without
-the plan's results is prepared before that read, while the plan runs.
+Host reads: none at block and token granularity. At frame granularity the host must size the units' buffers and
+the greedy run by the frames a problem holds, which earlier compressions decided on the device. Where the batch gives
+the entering labels' runs (:attr:`~cords_vllm.compress.step.RegionBatch.new_label_runs`, as the worker does) and
+the held tokens came from this step, it reads nothing: it sizes them by an upper bound (:func:`_frames_bound`: the
+entering labels' runs plus the held rows' runs, which the finish program counts and the host receives a compression
+late, :class:`~cords_vllm.compress.late_read.LateRead`), and the units program takes the frame budget from the
+plan. A bound past the frames costs a few units that are never valid. Otherwise it reads the plan's stats (the most
+frames a problem holds and the frame budget, a ``[P, 2]`` read), as the reference does: a step's frame compressions
+read theirs together, one host sync per step (:class:`StatsToRead`), and what the host prepares for the later
+launches without the plan's results is prepared before that read, while the plan runs.
 
 Same kept tokens as the reference: the units' features are the same sums in another order, so they may differ in
 their last bits; the greedy kernel's tie slack (:func:`~cords_vllm.selection.cords.snap_tolerance`) is there for
@@ -73,6 +80,7 @@ import torch
 from cords_vllm.compress import copy_triton
 from cords_vllm.compress.kv_access import KVAccessor, PagedAccessor
 from cords_vllm.compress.kv_codec import Fp8Codec, KVCodec, PlainCodec
+from cords_vllm.compress.late_read import LateRead
 from cords_vllm.kernel_backend import interpreting, launch
 from cords_vllm.selection.cords import GreedyParams
 from cords_vllm.selection.cords_triton import GRAM_LIMIT_BYTES, MAX_UNITS, UNIT_ROWS, greedy_from_units
@@ -220,7 +228,7 @@ def _e5m2(b):
 
 
 def _units_kernel(base, layer_offsets, scales, src_slots, row_of_rank, unit_start, unit_size, count_in,
-                  feats, kn_out, vn_out, seed_out, valid_out, k_out, flag,
+                  feats, kn_out, vn_out, seed_out, valid_out, k_out, flag, stats, n_problems,
                   n_tok, m_units, m_stride, heads_per_problem, heads, head_size, frame_budget, k_fixed,
                   s_block, s_head, s_offset, s_channel,
                   MODE: tl.constexpr, PER_HEAD: tl.constexpr, SCAN: tl.constexpr, FP8: tl.constexpr,
@@ -229,7 +237,8 @@ def _units_kernel(base, layer_offsets, scales, src_slots, row_of_rank, unit_star
     seed score, ``valid[p, u]``, and (``u == 0``) ``k[p]``; the outputs' rows are ``m_stride >= m_units`` units long
     (a step's compressions share them, each problem padded with invalid units). Programs ``u >= m_units`` (``SCAN``)
     look for non-finite entries in rows ``(u - m_units) * TILE_T ...`` of the region. A unit's tokens are read
-    ``TILE_T`` at a time.
+    ``TILE_T`` at a time. ``frame_budget < 0`` (frames, the host did not read the plan's stats): the budget is the
+    most frames any of the ``n_problems`` problems needs (``stats[:, 1]``), read here.
 
     ``FP8``: 0 for a floating cache; 1 (e4m3) or 2 (e5m2) for an fp8 cache read as bytes, decoded as
     :class:`~cords_vllm.compress.kv_codec.Fp8Codec` does (``scales``: ``float32 [A, 2, H]``, the keys' and the
@@ -256,9 +265,14 @@ def _units_kernel(base, layer_offsets, scales, src_slots, row_of_rank, unit_star
     count = tl.load(count_in + p)
     if u < m_units:
         if u == 0:
-            if MODE == 2:  # noqa: SIM108 (Triton: a branch, not a select)
+            if MODE == 2:
+                budget = frame_budget
+                if frame_budget < 0:  # the plan's, as the host's read would have found it: the most of any problem
+                    budget = frame_budget * 0
+                    for q in range(0, n_problems):
+                        budget = tl.maximum(budget, tl.load(stats + 2 * q + 1))
                 # labelled frames: the budget covers a problem when it covers every frame
-                k = tl.where(count <= frame_budget, 0, frame_budget)
+                k = tl.where(count <= budget, 0, budget)
             else:
                 k = count * 0 + k_fixed
             tl.store(k_out + p, k.to(tl.int64))
@@ -331,12 +345,14 @@ def _units_kernel(base, layer_offsets, scales, src_slots, row_of_rank, unit_star
 
 def _finish_kernel(order, k_in, still_in, count_in, elig_rank, unit_of, unit_start, unit_size, protect,
                    region_ids, region_video, region_labels, kept_count, positions, out_ids, out_video, out_labels,
-                   flag, nonfinite,
+                   flag, nonfinite, runs_out,
                    n_tok, m_units, k_max, k_stride, num_keep,
                    LABELS: tl.constexpr, SCAN: tl.constexpr, BLOCK_T: tl.constexpr):
     """Problem ``p``'s kept rows (``positions[p]``, increasing) and the tokens the region holds after the copy
     (``order``'s rows are ``k_stride >= k_max`` long: a step's compressions share it). The chosen units take the
-    rows' lanes too (``k_max <= m_units <= n_tok``): the budget sets no width, so it compiles no variant."""
+    rows' lanes too (``k_max <= m_units <= n_tok``): the budget sets no width, so it compiles no variant. With
+    ``LABELS``, ``runs_out[p]``: the runs of equal labels in the kept rows (an upper bound on the frames they hold,
+    for the next compression's host, :class:`~cords_vllm.compress.late_read.LateRead`)."""
     p = tl.program_id(0).to(tl.int64)
     row = p * n_tok
     t = tl.arange(0, BLOCK_T)
@@ -362,7 +378,11 @@ def _finish_kernel(order, k_in, still_in, count_in, elig_rank, unit_of, unit_sta
     quota = tl.load(kept_count + row + mine, mask=has_unit, other=0)
     kept = has_unit & (rank - first < quota)
     covered = (rank >= 0) & (rank < still)  # a budget that covers every unit (k == 0): the oldest `still` candidates
-    kept = tl.where(k == 0, covered, kept)
+    # More units than the host sized the run by (its bound on the frames, which holds by construction; see
+    # _frames_bound): the units past it were never ranked. Still exactly `num_keep` rows, so the copy reads only the
+    # region: the oldest candidates, and -1 in runs_out, which the next compression's host raises on.
+    short = tl.load(count_in + p) > m_units
+    kept = tl.where((k == 0) | short, covered, kept)
     keep = inside & ((tl.load(protect + row + t, mask=inside, other=0) != 0) | kept)
     c = keep.to(tl.int32)
     at = tl.cumsum(c, 0) - 1
@@ -372,6 +392,13 @@ def _finish_kernel(order, k_in, still_in, count_in, elig_rank, unit_of, unit_sta
     tl.store(out_video + out, tl.load(region_video + row + t, mask=inside, other=0), mask=keep)
     if LABELS:
         tl.store(out_labels + out, tl.load(region_labels + row + t, mask=inside, other=0), mask=keep)
+        tl.debug_barrier()  # the kept labels, written by other threads, are read back
+        kept_row = out_labels + p * num_keep
+        held = t < num_keep
+        label = tl.load(kept_row + t, mask=held, other=0)
+        before = tl.load(kept_row + t - 1, mask=held & (t > 0), other=0)
+        n_runs = tl.sum((held & ((t == 0) | (label != before))).to(tl.int32), 0)
+        tl.store(runs_out + p, tl.where(short, -1, n_runs))
     if SCAN:  # noqa: SIM102 (Triton: a constexpr branch around a runtime one)
         if p == 0:
             tl.store(nonfinite, tl.load(nonfinite) + tl.load(flag).to(tl.int64))
@@ -469,13 +496,13 @@ NOT_SPECIALIZED = {
              ("held_ids", "held_video", "held_labels", "new_ids", "new_labels", "spans", "region_ids",
               "region_video", "region_labels", "elig_rank", "unit_of", "row_of_rank", "unit_start", "unit_size",
               "protect", "count_out", "still_out", "stats", "flag")),
-    "units": (("n_tok", "frame_budget", "k_fixed"),
+    "units": (("n_tok", "frame_budget", "k_fixed", "n_problems"),
               ("src_slots", "row_of_rank", "unit_start", "unit_size", "count_in", "kn_out", "vn_out", "seed_out",
-               "valid_out", "k_out", "flag")),
+               "valid_out", "k_out", "flag", "stats")),
     "finish": (("n_tok", "m_units", "k_max", "k_stride", "num_keep"),
                ("order", "k_in", "still_in", "count_in", "elig_rank", "unit_of", "unit_start", "unit_size", "protect",
                 "region_ids", "region_video", "region_labels", "kept_count", "positions", "out_ids", "out_video",
-                "out_labels", "flag", "nonfinite")),
+                "out_labels", "flag", "nonfinite", "runs_out")),
     "normalize": (("f_problem", "n_field", "n_problem", "v_problem"), ("feats", "norms", "valid")),
 }
 
@@ -731,6 +758,30 @@ def _normalize(feats: torch.Tensor, norms: torch.Tensor, valid: torch.Tensor, m_
         SCALE=scale, BLOCK_S=max(1, 4096 // block_w), BLOCK_W=block_w)
 
 
+def _frames_bound(held: Sequence, anchors: Sequence[int], batch, n_prev: int, n_cand: int) -> int | None:
+    """An upper bound on the frames (units) of any problem of a frame compression, from what the host holds, or
+    ``None`` (the plan's stats are read back instead).
+
+    A frame is a run of equal labels among the region's candidates, a subsequence of the region's rows, which are
+    the held rows, then the entering ones; a subsequence has no more runs than its sequence, and a concatenation no
+    more than its parts together. So the frames are at most the held rows' runs (counted by the previous
+    compression's finish program, :attr:`~cords_vllm.compress.step.HeldTokens.label_runs`, read a compression late)
+    plus the entering rows' (``batch.new_label_runs``, counted by the host), and at most the candidates."""
+    if batch.new_label_runs is None:
+        return None
+    runs = batch.new_label_runs
+    if n_prev:
+        late = {id(held[a].label_runs): held[a].label_runs for a in anchors}
+        if None in late.values():
+            return None
+        held_runs = max(max(r.values()) for r in late.values())
+        if held_runs < 0:
+            raise RuntimeError("the fused step's last compression of this request held more frames than the host's "
+                               "bound on them; it kept its oldest candidates instead of a selection")
+        runs += held_runs
+    return max(1, min(runs, n_cand))
+
+
 def compress_region_fused_steps(caches: Sequence[torch.Tensor], held: Sequence, batch, setup,
                                 nonfinite: torch.Tensor | None, codecs: Sequence[KVCodec] | None = None
                                 ) -> SelectionSteps[list | None]:
@@ -825,9 +876,15 @@ def compress_region_fused_steps(caches: Sequence[torch.Tensor], held: Sequence, 
     fp8 = _fp8_mode(codecs, anchors)
     scales = _scales(codecs, anchors, heads, device) if fp8 else empty_long
 
-    per_problem = yield StatsToRead(device, stats if mode == FRAME else None)  # with the step's other reads
+    bound = _frames_bound(held, anchors, batch, n_prev, n_cand) if mode == FRAME else None
+    read = mode == FRAME and bound is None
+    per_problem = yield StatsToRead(device, stats if read else None)  # with the step's other reads
     frame_budget = 0
-    if mode == FRAME:  # the compression's one host read: the most frames of a problem, and the frame budget
+    if mode == FRAME and not read:  # sized by the host's bound; the units kernel reads the budget from the plan
+        m_units = bound
+        frame_budget = -1 if batch.frame_budget is None else batch.frame_budget
+        k_max = m_units if batch.frame_budget is None else min(batch.frame_budget, m_units)
+    elif mode == FRAME:  # the compression's one host read: the most frames of a problem, and the frame budget
         m_units = max(c for c, _ in per_problem)
         frame_budget = batch.frame_budget if batch.frame_budget is not None else max(b for _, b in per_problem)
         k_max = frame_budget * (m_units > frame_budget)
@@ -848,7 +905,7 @@ def compress_region_fused_steps(caches: Sequence[torch.Tensor], held: Sequence, 
     kn, vn, seed = rows.norms.unbind(0)
     launch("units", _compiled(interp, "units"), (n_prob, unit_rows + scan_programs),
         first, offsets, scales, batch.src_slots.contiguous(), row_of_rank, unit_start, unit_size, count,
-        feats, kn, vn, seed, valid, k, flag,
+        feats, kn, vn, seed, valid, k, flag, stats, n_prob,
         n_tok, unit_rows, feats.shape[1], hp, heads, head_size, frame_budget, k_max,
         s_block, s_head, s_offset, s_channel,
         MODE=mode, PER_HEAD=per_head, SCAN=scan, FP8=fp8, BLOCK_SIZE=block_size,
@@ -865,10 +922,11 @@ def compress_region_fused_steps(caches: Sequence[torch.Tensor], held: Sequence, 
     positions = buf(torch.long, *shape)
     out_ids, out_video = buf(torch.long, *shape), buf(torch.bool, *shape)
     out_labels = buf(torch.long, *shape) if labels else empty_long
+    runs = buf(torch.int32, n_prob) if labels else empty_long
     launch("finish", _compiled(interp, "finish"), (n_prob,),
         order, k, still, count, elig_rank, unit_of, unit_start, unit_size, protect,
         region_ids, region_video, region_labels, kept_count, positions, out_ids, out_video, out_labels,
-        flag, nonfinite if scan else empty_long,
+        flag, nonfinite if scan else empty_long, runs,
         n_tok, max(m_units, 1), k_max, order.stride(0), num_keep,
         LABELS=labels, SCAN=scan, **row_width(block_t))
 
@@ -877,7 +935,8 @@ def compress_region_fused_steps(caches: Sequence[torch.Tensor], held: Sequence, 
     anchor_row = [row_of[setup.anchor_of[layer]] for layer in range(len(caches))]
     copy_triton.copy_kept(caches, positions, anchor_row, batch.src_slots, batch.dst_slots)
     out_labels = out_labels if labels else None
+    label_runs = LateRead.of(runs) if labels else None  # for the next compression's bound, on its way to the host
     kept = [HeldTokens(out_ids[i].expand(heads, -1), out_video[i].expand(heads, -1),
-                       None if out_labels is None else out_labels[i].expand(heads, -1))
+                       None if out_labels is None else out_labels[i].expand(heads, -1), label_runs)
             for i in range(n_anchor)]
     return [kept[row] for row in anchor_row]

@@ -10,6 +10,7 @@ and the same non-finite count.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import inspect
@@ -20,6 +21,7 @@ import pytest
 import torch
 
 import cords_vllm.compress.step_triton as step_triton
+from cords_vllm.compress.frames import label_runs
 from cords_vllm.compress.kv_access import PagedAccessor, slots_of
 from cords_vllm.compress.kv_codec import codec_for
 from cords_vllm.compress.step import RegionBatch, SelectionSetup, compress_region, describe_path
@@ -97,9 +99,11 @@ def _stream(g: torch.Generator, frame: int) -> Stream:
 
 
 def _batch(stream: Stream, granularity: str, held_ids: torch.Tensor | None, held_video: int, first_new: int,
-           new_blocks: int, block_ids: torch.Tensor, g: torch.Generator, fraction: float) -> RegionBatch | None:
+           new_blocks: int, block_ids: torch.Tensor, g: torch.Generator, fraction: float,
+           runs: bool = True) -> RegionBatch | None:
     """The region of ``held`` (``held_ids``, ``held_video`` of them video) then ``new_blocks`` blocks of new tokens,
-    kept down to ``fraction`` of its candidates, rounded to whole blocks; ``None`` where no whole block fits."""
+    kept down to ``fraction`` of its candidates, rounded to whole blocks; ``None`` where no whole block fits.
+    ``runs``: with the entering labels' runs, as the worker gives them (the fused step then reads nothing back)."""
     new_ids = torch.arange(first_new, first_new + new_blocks * BS)
     n_held = 0 if held_ids is None else held_ids.numel()
     video_new = int(stream.video[new_ids].sum())
@@ -115,6 +119,7 @@ def _batch(stream: Stream, granularity: str, held_ids: torch.Tensor | None, held
     return RegionBatch(
         src_slots=slots_of(blocks, BS), dst_slots=slots_of(blocks[:keep_blocks], BS), new_ids=new_ids,
         spans=stream.spans, new_labels=stream.labels[new_ids] if granularity == "frame" else None,
+        new_label_runs=label_runs(stream.labels[new_ids]) if granularity == "frame" and runs else None,
         num_keep=keep_blocks * BS, num_keep_candidates=need, num_candidates=n_cand,
         group_size={"frame": stream.frame, "block": BS, "runs": stream.frame}.get(granularity),
         frame_tokens=stream.frame,
@@ -152,10 +157,12 @@ def _codecs(kv_dtype: str) -> list | None:
 
 def _compress_twice(kernels: str, seed: int, policy: str, granularity: str, per_head: bool,
                     anchors: tuple[int, ...], fraction: float, nan_at: tuple[int, int] | None = None,
-                    kv_dtype: str = "bfloat16", then: str | None = None, key_scale: float = 1.0, gather_heads=None):
+                    kv_dtype: str = "bfloat16", then: str | None = None, key_scale: float = 1.0, gather_heads=None,
+                    runs: bool = True, counter=None):
     """Both compressions of one random stream; per compression the held tokens, caches and non-finite count.
     ``then``: the second compression's ``kernels``, when it differs from the first's; ``key_scale``: the keys'
-    scale against the values'; ``gather_heads``: the setup's head gather (tensor parallelism)."""
+    scale against the values'; ``gather_heads``: the setup's head gather (tensor parallelism); ``runs``: the
+    batches give their labels' runs (:func:`_batch`); ``counter``: a context entered around the second compression."""
     g = torch.Generator().manual_seed(seed)
     stream = _stream(g, frame=int(torch.randint(9, 14, (1,), generator=g)))
     block_ids = torch.randperm(NUM_BLOCKS, generator=g)
@@ -166,7 +173,7 @@ def _compress_twice(kernels: str, seed: int, policy: str, granularity: str, per_
     setup = SelectionSetup(_selector(policy), unit, per_head, anchors, kernels=kernels, gather_heads=gather_heads)
     nonfinite = torch.zeros((), dtype=torch.long, device=DEVICE)
     region = int(stream.spans[0, 1]) // BS  # the first video's blocks, the last cut by the block edge
-    first = _batch(stream, granularity, None, 0, 0, region, block_ids, g, fraction)
+    first = _batch(stream, granularity, None, 0, 0, region, block_ids, g, fraction, runs)
     assert first is not None
     held = compress_region(caches, accessors, [None] * LAYERS, on_device(first, DEVICE), setup, nonfinite=nonfinite,
                            codecs=codecs)
@@ -175,12 +182,13 @@ def _compress_twice(kernels: str, seed: int, policy: str, granularity: str, per_
     kept = first.num_keep // BS
     block_ids = torch.cat([first.src_slots.view(-1, BS)[:kept, 0] // BS, block_ids[region:]])
     second = _batch(stream, granularity, held[0].ids[0].cpu(), int(held[0].candidates[0].sum()), region * BS, 4,
-                    block_ids, g, fraction)
+                    block_ids, g, fraction, runs)
     if second is not None:
         if then is not None:
             setup = dataclasses.replace(setup, kernels=then)
-        held = compress_region(caches, accessors, held, on_device(second, DEVICE), setup, nonfinite=nonfinite,
-                               codecs=codecs)
+        second = on_device(second, DEVICE)
+        with counter if counter is not None else contextlib.nullcontext():
+            held = compress_region(caches, accessors, held, second, setup, nonfinite=nonfinite, codecs=codecs)
         out.append(([(h.ids.cpu(), h.candidates.cpu(), None if h.labels is None else h.labels.cpu()) for h in held],
                     [c.cpu().clone() for c in caches], int(nonfinite)))
     return out
@@ -234,6 +242,79 @@ def test_a_head_gather_of_one_rank_keeps_what_the_reference_keeps(granularity):
     ref = _compress_twice("torch", 6, "cords", granularity, False, (0, 0, 2), 0.25)
     got = _compress_twice("triton", 6, "cords", granularity, False, (0, 0, 2), 0.25, gather_heads=lambda x: x)
     _assert_same(ref, got)
+
+
+@pytest.mark.parametrize(("seed", "per_head", "anchors", "fraction"),
+                         [(5, False, (0, 0, 2), 0.25), (8, True, (0, 1, 2), 0.5), (11, False, (0, 0, 0), 0.9)])
+def test_frames_sized_by_label_runs_read_nothing_back_and_keep_what_reading_keeps(monkeypatch, seed, per_head,
+                                                                                    anchors, fraction):
+    """Given the entering labels' runs (as the worker gives them), a frame compression sizes its units by the runs
+    of the held and the entering labels, and reads nothing of the device: a later compression's one read is the
+    counts the last one copied to the host (:class:`~cords_vllm.compress.late_read.LateRead`; on CUDA host memory,
+    complete a step ago). It keeps what the PyTorch path keeps and what the fused step reading the plan's stats
+    keeps (its control: without the runs, the stats are read)."""
+    from cords_vllm.compress import copy_triton
+    from cords_vllm.selection import cords_triton
+    from tests.compress.device_audit import HostSyncCounter
+
+    ref = _compress_twice("torch", seed, "cords", "frame", per_head, anchors, fraction)
+    assert len(ref) == 2
+    if DEVICE == "cuda":  # compiled: any host sync in the second compression raises
+        _assert_same(ref, _compress_twice("triton", seed, "cords", "frame", per_head, anchors, fraction,
+                                          counter=_no_sync()))
+        return
+    if not step_triton.interpreting():
+        pytest.skip("the fused step runs on CUDA, or on CPU under TRITON_INTERPRET=1")
+    counters = {}
+    for runs in (True, False):
+        counters[runs] = HostSyncCounter()
+        counters[runs].watch_triton(monkeypatch, cords_triton, copy_triton, step_triton)
+        _assert_same(ref, _compress_twice("triton", seed, "cords", "frame", per_head, anchors, fraction,
+                                          runs=runs, counter=counters[runs]))
+    assert len(counters[True].syncs) == 1 and "late_read.py" in counters[True].syncs[0], counters[True].syncs
+    assert len(counters[False].syncs) == 1 and "step_triton.py" in counters[False].syncs[0], counters[False].syncs
+
+
+@contextlib.contextmanager
+def _no_sync():
+    """CUDA: a host sync inside the block raises (torch's sync debug mode)."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_a_frame_count_past_the_hosts_bound_keeps_exactly_the_budget_and_the_next_compression_raises(monkeypatch):
+    """The safety net under the bound (which holds by construction): sized too short, a frame compression still
+    keeps exactly its budget of rows, the oldest candidates (so the copy reads only the region), and the request's
+    next compression raises instead of compressing on."""
+    if DEVICE != "cuda" and not step_triton.interpreting():
+        pytest.skip("the fused step runs on CUDA, or on CPU under TRITON_INTERPRET=1")
+    real, calls = step_triton._frames_bound, []
+    monkeypatch.setattr(step_triton, "_frames_bound", lambda *args: 1 if not calls.append(1) and len(calls) == 1
+                        else real(*args))  # the first compression's bound too short
+    g = torch.Generator().manual_seed(2)
+    stream = _stream(g, frame=10)
+    block_ids = torch.randperm(NUM_BLOCKS, generator=g)
+    caches = _caches(2)
+    setup = SelectionSetup(_selector("cords"), "frame", False, (0, 0, 2), kernels="triton")
+    accessors = [PagedAccessor.of(caches[0], D)] * LAYERS
+    region = int(stream.spans[0, 1]) // BS
+    batch = _batch(stream, "frame", None, 0, 0, region, block_ids, g, 0.25)
+    held = compress_region(caches, accessors, [None] * LAYERS, on_device(batch, DEVICE), setup)
+    ids = held[0].ids[0].cpu()
+    assert ids.shape[0] == batch.num_keep and bool((ids[1:] > ids[:-1]).all())
+    video = stream.video[ids]
+    chosen = ids[video & (stream.labels[ids] != stream.labels[ids[-1]])]  # the edge frame, cut short, is kept whole
+    assert torch.equal(chosen, stream.video.nonzero().flatten()[: chosen.shape[0]])  # the oldest candidates
+    assert set(held[0].label_runs.values()) == {-1}  # each anchor's problem
+    kept = batch.num_keep // BS
+    block_ids = torch.cat([batch.src_slots.view(-1, BS)[:kept, 0] // BS, block_ids[region:]])
+    second = _batch(stream, "frame", ids, int(video.sum()), region * BS, 4, block_ids, g, 0.25)
+    with pytest.raises(RuntimeError, match="more frames than the host's bound"):
+        compress_region(caches, accessors, held, on_device(second, DEVICE), setup)
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from cords_vllm.compress.attention_view import RowHoles
-from cords_vllm.compress.frames import frame_sizes, layout_labels
+from cords_vllm.compress.frames import frame_sizes, label_runs, layout_labels
 from cords_vllm.compress.kv_access import KVAccessor, slots_of
 from cords_vllm.compress.kv_codec import KVCodec, check_kv_cache_dtype
 from cords_vllm.compress.plan import NULL_BLOCK_ID, CompressionPlan, RebasePlan
@@ -422,11 +422,15 @@ class WorkerCompressor:
                                 tracker.largest_frame if frames else None, self.config.min_units)
         group_size = {"block": unit.group_size or bs, "frame": tracker.largest_frame if frames else None
                       }.get(unit.granularity)
+        by_frames = self.config.granularity in ("frame", AUTO) and frames
         # No frame_budget: the exact one depends on which frames earlier compressions kept (and trimmed), chosen
-        # on the device; select_exact reads it with the frame count in the compression's one host read.
+        # on the device; select_exact reads it with the frame count in the compression's one host read. The fused
+        # step reads nothing: the entering labels' runs and the held ones' (counted on the device, copied to the
+        # host a compression late) bound the frames it sizes its units by.
         return RegionBatch(
             src_slots=slots_of(src, bs), dst_slots=slots_of(kept, bs), new_ids=new_ids, spans=spans_d,
-            new_labels=rest[0] if self.config.granularity in ("frame", AUTO) and frames else None,
+            new_labels=rest[0] if by_frames else None,
+            new_label_runs=label_runs(labels) if by_frames else None,
             num_keep=plan.num_keep, num_keep_candidates=plan.num_keep_candidates,
             num_candidates=plan.num_held_candidates, group_size=group_size,
             frame_tokens=tracker.first_frame if frames else None, num_recent=plan.num_recent,
