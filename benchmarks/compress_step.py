@@ -146,7 +146,8 @@ def build(shape: RegionShape, granularity: str, device: torch.device, dtype: tor
         new_ids=torch.arange(shape.held, device=device),
         spans=torch.tensor([[shape.text, shape.held]], device=device),
         new_labels=labels if granularity in ("frame", AUTO) else None,
-        new_label_runs=label_runs(host_labels) if granularity in ("frame", AUTO) else None, num_keep=shape.kept,
+        new_label_runs=label_runs(host_labels, torch.arange(shape.held) >= shape.text)
+        if granularity in ("frame", AUTO) else None, num_keep=shape.kept,
         num_keep_candidates=shape.kept - shape.text, num_candidates=shape.held - shape.text,
         group_size={"frame": shape.frame_tokens, "block": unit.group_size or bs}.get(unit.granularity),
         frame_tokens=shape.frame_tokens, granularity=unit.granularity)

@@ -50,9 +50,14 @@ def layout_labels(begin: int, end: int, inputs: Sequence[tuple[int, int]], token
     return labels
 
 
-def label_runs(labels: torch.Tensor) -> int:
-    """Runs of equal labels in ``labels`` (``long [N]``, host): 1 plus the times a label differs from the one
-    before, 0 for none. An upper bound on the frames among any subsequence of those tokens (what a frame
-    compression's host sizes it by, :attr:`~cords_vllm.compress.step.RegionBatch.new_label_runs`)."""
-    n = labels.shape[0]
-    return 0 if n == 0 else 1 + int(torch.count_nonzero(labels[1:] != labels[:-1]))
+def label_runs(labels: torch.Tensor, video: torch.Tensor) -> int:
+    """Runs of equal labels among the video tokens of ``labels`` (``long [N]``, host; ``video``: ``bool [N]``): the
+    video tokens whose label differs from the token before, or whose token before is not video (or is none). An
+    upper bound on the frames among any subsequence of those tokens' video tokens (what a frame compression's host
+    sizes it by, :attr:`~cords_vllm.compress.step.RegionBatch.new_label_runs`); text tokens, each at its own
+    temporal position, add none."""
+    if labels.shape[0] == 0:
+        return 0
+    starts = video.clone()
+    starts[1:] &= (labels[1:] != labels[:-1]) | ~video[:-1]
+    return int(torch.count_nonzero(starts))

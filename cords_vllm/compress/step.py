@@ -107,10 +107,10 @@ class RegionBatch:
     frame_tokens:
         Tokens per frame for frame-aware policies at token granularity, or ``None``.
     new_label_runs:
-        Runs of equal labels in ``new_labels`` (``1 +`` the times a label differs from the one before), counted by
-        the host where the labels are, or ``None``. With the held tokens' runs (:attr:`HeldTokens.label_runs`) an
-        upper bound on the frames a frame compression's region holds, so that the fused step sizes it without
-        reading the device (:mod:`~cords_vllm.compress.step_triton`).
+        Runs of equal labels among the entering video tokens (:func:`~cords_vllm.compress.frames.label_runs`),
+        counted by the host where the labels are, or ``None``. With the held tokens' runs
+        (:attr:`HeldTokens.label_runs`) an upper bound on the frames a frame compression's region holds, so that
+        the fused step sizes it without reading the device (:mod:`~cords_vllm.compress.step_triton`).
     observed:
         The observation queries of attention-scored policies (:class:`ObservedQueries`), or ``None``.
     num_recent:

@@ -351,8 +351,9 @@ def _finish_kernel(order, k_in, still_in, count_in, elig_rank, unit_of, unit_sta
     """Problem ``p``'s kept rows (``positions[p]``, increasing) and the tokens the region holds after the copy
     (``order``'s rows are ``k_stride >= k_max`` long: a step's compressions share it). The chosen units take the
     rows' lanes too (``k_max <= m_units <= n_tok``): the budget sets no width, so it compiles no variant. With
-    ``LABELS``, ``runs_out[p]``: the runs of equal labels in the kept rows (an upper bound on the frames they hold,
-    for the next compression's host, :class:`~cords_vllm.compress.late_read.LateRead`)."""
+    ``LABELS``, ``runs_out[p]``: the runs of equal labels among the kept rows' video tokens, as
+    :func:`~cords_vllm.compress.frames.label_runs` counts them (an upper bound on the frames they hold, for the next
+    compression's host, :class:`~cords_vllm.compress.late_read.LateRead`)."""
     p = tl.program_id(0).to(tl.int64)
     row = p * n_tok
     t = tl.arange(0, BLOCK_T)
@@ -393,11 +394,13 @@ def _finish_kernel(order, k_in, still_in, count_in, elig_rank, unit_of, unit_sta
     if LABELS:
         tl.store(out_labels + out, tl.load(region_labels + row + t, mask=inside, other=0), mask=keep)
         tl.debug_barrier()  # the kept labels, written by other threads, are read back
-        kept_row = out_labels + p * num_keep
+        kept_row = p * num_keep
         held = t < num_keep
-        label = tl.load(kept_row + t, mask=held, other=0)
-        before = tl.load(kept_row + t - 1, mask=held & (t > 0), other=0)
-        n_runs = tl.sum((held & ((t == 0) | (label != before))).to(tl.int32), 0)
+        label = tl.load(out_labels + kept_row + t, mask=held, other=0)
+        before = tl.load(out_labels + kept_row + t - 1, mask=held & (t > 0), other=0)
+        video = held & (tl.load(out_video + kept_row + t, mask=held, other=0) != 0)
+        video_before = (t > 0) & (tl.load(out_video + kept_row + t - 1, mask=held & (t > 0), other=0) != 0)
+        n_runs = tl.sum((video & (~video_before | (label != before))).to(tl.int32), 0)
         tl.store(runs_out + p, tl.where(short, -1, n_runs))
     if SCAN:  # noqa: SIM102 (Triton: a constexpr branch around a runtime one)
         if p == 0:
@@ -762,11 +765,13 @@ def _frames_bound(held: Sequence, anchors: Sequence[int], batch, n_prev: int, n_
     """An upper bound on the frames (units) of any problem of a frame compression, from what the host holds, or
     ``None`` (the plan's stats are read back instead).
 
-    A frame is a run of equal labels among the region's candidates, a subsequence of the region's rows, which are
-    the held rows, then the entering ones; a subsequence has no more runs than its sequence, and a concatenation no
-    more than its parts together. So the frames are at most the held rows' runs (counted by the previous
-    compression's finish program, :attr:`~cords_vllm.compress.step.HeldTokens.label_runs`, read a compression late)
-    plus the entering rows' (``batch.new_label_runs``, counted by the host), and at most the candidates."""
+    A frame is a run of equal labels among the region's candidates, a subsequence of the region's video rows, which
+    are the held rows' then the entering ones'; a subsequence has no more runs than its sequence (nor than the runs
+    of consecutive video rows, :func:`~cords_vllm.compress.frames.label_runs`, which text rows only split), and a
+    concatenation no more than its parts together. So the frames are at most the held rows' runs (counted by the
+    previous compression's finish program, :attr:`~cords_vllm.compress.step.HeldTokens.label_runs`, read a
+    compression late) plus the entering rows' (``batch.new_label_runs``, counted by the host), and at most the
+    candidates."""
     if batch.new_label_runs is None:
         return None
     runs = batch.new_label_runs

@@ -119,7 +119,8 @@ def _batch(stream: Stream, granularity: str, held_ids: torch.Tensor | None, held
     return RegionBatch(
         src_slots=slots_of(blocks, BS), dst_slots=slots_of(blocks[:keep_blocks], BS), new_ids=new_ids,
         spans=stream.spans, new_labels=stream.labels[new_ids] if granularity == "frame" else None,
-        new_label_runs=label_runs(stream.labels[new_ids]) if granularity == "frame" and runs else None,
+        new_label_runs=label_runs(stream.labels[new_ids], stream.video[new_ids]) if granularity == "frame" and runs
+        else None,
         num_keep=keep_blocks * BS, num_keep_candidates=need, num_candidates=n_cand,
         group_size={"frame": stream.frame, "block": BS, "runs": stream.frame}.get(granularity),
         frame_tokens=stream.frame,

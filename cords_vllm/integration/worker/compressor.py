@@ -56,6 +56,7 @@ from cords_vllm.compress.step import (
     SelectionSetup,
     compress_regions,
     describe_path,
+    video_mask,
 )
 from cords_vllm.compress.transfer import upload
 from cords_vllm.compress.unit_choice import AUTO, compression_unit
@@ -417,7 +418,8 @@ class WorkerCompressor:
         if frames:
             host.append(labels.numpy())
         src, kept, spans_d, *rest = upload(host, self.device)
-        new_ids = torch.arange(base + plan.prev_region_blocks * bs, base + plan.region_blocks * bs, device=self.device)
+        entering = (base + plan.prev_region_blocks * bs, base + plan.region_blocks * bs)
+        new_ids = torch.arange(*entering, device=self.device)
         unit = compression_unit(self.config.granularity, plan.num_keep_candidates,
                                 tracker.largest_frame if frames else None, self.config.min_units)
         group_size = {"block": unit.group_size or bs, "frame": tracker.largest_frame if frames else None
@@ -430,7 +432,8 @@ class WorkerCompressor:
         return RegionBatch(
             src_slots=slots_of(src, bs), dst_slots=slots_of(kept, bs), new_ids=new_ids, spans=spans_d,
             new_labels=rest[0] if by_frames else None,
-            new_label_runs=label_runs(labels) if by_frames else None,
+            new_label_runs=label_runs(labels, video_mask(torch.arange(*entering), torch.from_numpy(spans)))
+            if by_frames else None,
             num_keep=plan.num_keep, num_keep_candidates=plan.num_keep_candidates,
             num_candidates=plan.num_held_candidates, group_size=group_size,
             frame_tokens=tracker.first_frame if frames else None, num_recent=plan.num_recent,
