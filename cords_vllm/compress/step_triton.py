@@ -34,16 +34,16 @@ A compression's rows are padded with invalid units to a multiple of :data:`UNIT_
 Compiles: every kernel leaves the arguments that change from one compression to the next unspecialized
 (:data:`NOT_SPECIALIZED`), so a compression of another size runs the kernels already compiled.
 
-Host reads: none at block and token granularity. At frame granularity the host must size the units' buffers and
-the greedy run by the frames a problem holds, which earlier compressions decided on the device. Where the batch gives
-the entering labels' runs (:attr:`~cords_vllm.compress.step.RegionBatch.new_label_runs`, as the worker does) and
-the held tokens came from this step, it reads nothing: it sizes them by an upper bound (:func:`_frames_bound`: the
-entering labels' runs plus the held rows' runs, which the finish program counts and the host receives a compression
-late, :class:`~cords_vllm.compress.late_read.LateRead`), and the units program takes the frame budget from the
-plan. A bound past the frames costs a few units that are never valid. Otherwise it reads the plan's stats (the most
-frames a problem holds and the frame budget, a ``[P, 2]`` read), as the reference does: a step's frame compressions
-read theirs together, one host sync per step (:class:`StatsToRead`), and what the host prepares for the later
-launches without the plan's results is prepared before that read, while the plan runs.
+Host reads: none at block and token granularity. At frame granularity the host must size the units' buffers and the
+greedy run by the frames a problem holds, which earlier compressions decided on the device. Where the batch gives the
+entering labels' runs (:attr:`~cords_vllm.compress.step.RegionBatch.new_label_runs`, as the worker does) and the held
+tokens came from the fused step (or there are none), it reads nothing: it sizes them by an upper bound
+(:func:`_frames_bound`: the entering labels' runs plus the held rows' runs, which the finish program counts and the
+host receives a compression late, :class:`~cords_vllm.compress.late_read.LateRead`), and the units program takes the
+frame budget from the plan. A bound past the frames costs a few units that are never valid. Otherwise it reads the
+plan's stats (the most frames a problem holds and the frame budget, a ``[P, 2]`` read), as the reference does: a
+step's frame compressions read theirs together, one host sync per step (:class:`StatsToRead`), and what the host
+prepares for the later launches without the plan's results is prepared before that read, while the plan runs.
 
 Same kept tokens as the reference: the units' features are the same sums in another order, so they may differ in
 their last bits; the greedy kernel's tie slack (:func:`~cords_vllm.selection.cords.snap_tolerance`) is there for

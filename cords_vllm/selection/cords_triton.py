@@ -168,9 +168,15 @@ def _greedy_kernel(gk_ptr, gv_ptr, kn_ptr, vn_ptr, seed_ptr, valid_ptr, k_ptr, o
         b_value = b_key
         if USE_KO:
             b_value = b_key + b_rows * comp_dim
-    for t in range(0, k_max):
-        tl.store(out_ptr + p * k_max + t, tl.where(t < k_p, j, -1).to(tl.int64))
-        j = tl.minimum(j, m_units - 1)  # a problem past its k[p] may have no pool left: stay in bounds
+    # A problem runs its own k[p] steps (at most k_max: a step's problems share the launch, each its own budget,
+    # and a frame compression sized by the host's bound takes its budget from the device), then pads its row with -1.
+    steps = tl.minimum(k_p, k_max).to(tl.int32)
+    for t0 in range(steps, k_max, BLOCK):
+        tail = t0 + offs
+        tl.store(out_ptr + p * k_max + tail, tl.full([BLOCK], -1, tl.int64), mask=tail < k_max)
+    for t in range(0, steps):
+        tl.store(out_ptr + p * k_max + t, j.to(tl.int64))
+        j = tl.minimum(j, m_units - 1)  # stay in bounds, whatever the pool holds
         kn_j = tl.load(kn_ptr + vec + j)
         vn_j = tl.load(vn_ptr + vec + j)
         base_j = 0.0
