@@ -19,7 +19,7 @@ Design (one GEMM, then a persistent greedy loop over rows):
    A step takes at least the cycles one SM needs to issue its instructions for ``M`` units (at token units, most of
    it), so the state carries no separate pool mask (out of the pool every term is ``-inf``, and ``min |x|`` is the
    pool's minimum of a term that is ``>= 0`` in it), and each term's normalisation is one multiply by a per-step
-   scale: 582 instructions per step at 7,744 units on sm_90, against 672 with a boolean pool
+   scale: 577 instructions per step at 7,744 units on sm_90, against 672 with a boolean pool
    (:func:`tests.compress.cuda_compile.loop_instructions`).
 3. The exact novelty (:func:`_exact_residual`) keeps the squared residuals ``||(I - P_S) x_i||^2`` on chip instead
    of the running cosines, and the orthonormal directions of the selected set in a global buffer (at most ``Dc``

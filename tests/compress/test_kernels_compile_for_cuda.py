@@ -180,7 +180,7 @@ def test_a_greedy_step_at_token_granularity_compiles_to_under_600_instructions(m
     through 7,744 units 6,144 times: a step takes at least the cycles the SM needs to issue its instructions for 32
     warps (an H100 timed 4.5 us per step, 27.5 ms per compression, when the loop was 672 instructions: 3 us of
     issue at the least). Compiled for sm_90 as Triton's JIT compiles it there, the loop of ``cords``'s default step
-    is at most 600 instructions (582 with Triton 3.9; a boolean pool beside the distances made it 672). The control:
+    is at most 600 instructions (577 with Triton 3.9; a boolean pool beside the distances made it 672). The control:
     the plain D^2 step (``lam = 0``, no novelty) is shorter still, so the count follows the work."""
     if not cords_triton.interpreting():
         pytest.skip("the launch is recorded on CPU under TRITON_INTERPRET=1")
