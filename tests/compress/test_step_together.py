@@ -20,7 +20,7 @@ from cords_vllm.compress.step import (
     compress_regions,
 )
 from cords_vllm.selection import get_selector
-from tests.compress.regions import first_batches
+from tests.compress.regions import first_batches, later_batch
 
 LAYERS, HEADS, BS, D, BLOCKS = 4, 2, 8, 16, 48
 TEXT, FRAME = 5, 12
@@ -159,3 +159,46 @@ def test_fused_compressions_together_share_one_greedy_run_and_keep_each_ones_tok
     assert counter.launches == (8 if gather else 4) * n + 5, counter.launch_names
     assert counter.launch_names.count("triton:cords_triton") == 1
     assert len(counter.syncs) == 1, counter.syncs  # the step's frame compressions' one read
+
+
+def test_fused_frame_compressions_together_sized_by_label_runs_read_nothing_back(monkeypatch):
+    """As the worker gives them (the entering labels' runs), a step's fused compressions read nothing back: frames
+    are sized by the runs (:func:`~cords_vllm.compress.step_triton._frames_bound`), in the step's shared buffers and
+    greedy run (``4 N + 4`` launches), and the requests' next compressions together read only the runs the first
+    ones copied to the host; each keeps the PyTorch path's tokens and caches, both times."""
+    from cords_vllm.compress import copy_triton, step_triton
+    from cords_vllm.compress.frames import label_runs
+    from cords_vllm.compress.step import video_mask
+    from cords_vllm.selection import cords_triton
+    from tests.compress.device_audit import HostSyncCounter
+
+    if not copy_triton.interpreting():
+        pytest.skip("launches are counted on CPU under TRITON_INTERPRET=1")
+    batches = [replace(b, new_label_runs=label_runs(b.new_labels, video_mask(b.new_ids, b.spans)))
+               for b in _batches()]
+    seconds = [replace(later_batch(b, TEXT, BS), new_label_runs=0) for b in batches]
+    ref_setup = SelectionSetup(get_selector("cords"), "auto", False, (0, 0, 2, 2), kernels="torch")
+    ref_caches = _caches()
+    accessors = [PagedAccessor.of(ref_caches[0], D)] * LAYERS
+    ref_held = [compress_region(ref_caches, accessors, [None] * LAYERS, b, ref_setup) for b in batches]
+    ref_held = [compress_region(ref_caches, accessors, h, b, ref_setup) for h, b in zip(ref_held, seconds,
+                                                                                          strict=True)]
+    setup = replace(ref_setup, kernels="triton")
+    caches = _caches()
+    counters = [HostSyncCounter(), HostSyncCounter()]
+    counters[0].watch_triton(monkeypatch, cords_triton, copy_triton, step_triton)
+    with counters[0]:
+        held = compress_regions(caches, accessors, [RegionCompression([None] * LAYERS, b) for b in batches], setup)
+    counters[1].watch_triton(monkeypatch, cords_triton, copy_triton, step_triton)
+    with counters[1]:
+        held = compress_regions(caches, accessors, [RegionCompression(h, b) for h, b in zip(held, seconds,
+                                                                                             strict=True)], setup)
+    for got, ref in zip(held, ref_held, strict=True):
+        for layer in range(LAYERS):
+            assert torch.equal(got[layer].ids, ref[layer].ids)
+    assert all(torch.equal(a, b) for a, b in zip(caches, ref_caches, strict=True))
+    frames = sum(b.granularity == "frame" for b in batches)
+    assert frames >= 2
+    assert counters[0].launches == 4 * len(batches) + 4, counters[0].launch_names
+    assert counters[0].syncs == []
+    assert len(counters[1].syncs) == frames and all("late_read.py" in s for s in counters[1].syncs), counters[1].syncs
