@@ -41,6 +41,7 @@ def later_batch(batch: RegionBatch, text: int, block_size: int) -> RegionBatch:
     keep = kept.numel() - 1
     return replace(batch, src_slots=slots_of(kept, block_size), dst_slots=slots_of(kept[:keep], block_size),
                    new_ids=batch.new_ids[:0], new_labels=None if batch.new_labels is None else batch.new_labels[:0],
+                   new_label_runs=None if batch.new_label_runs is None else 0,
                    num_keep=keep * block_size, num_keep_candidates=keep * block_size - text - batch.num_recent,
                    num_candidates=kept.numel() * block_size - text - batch.num_recent)
 

@@ -20,6 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cords_vllm.compress import copy_triton, kernel_warmup, step_triton
+from cords_vllm.compress.frames import label_runs
 from cords_vllm.compress.kernel_warmup import WarmupWidths, warm_up
 from cords_vllm.compress.kv_access import PagedAccessor
 from cords_vllm.compress.plan import (
@@ -30,7 +31,7 @@ from cords_vllm.compress.plan import (
     next_compression_point,
     plan_compression,
 )
-from cords_vllm.compress.step import RegionCompression, SelectionSetup, compress_region, compress_regions
+from cords_vllm.compress.step import RegionCompression, SelectionSetup, compress_region, compress_regions, video_mask
 from cords_vllm.selection import cords_triton, get_selector
 from tests.compress.device_audit import watch_launches
 from tests.compress.regions import first_batches, later_batch, on_device
@@ -120,6 +121,9 @@ def _compress_requests(caches, accessors, setup, granularity: str) -> None:
                for b, r in zip(batches, RECENTS, strict=True)]
     if granularity != "frame":
         batches = [replace(b, new_labels=None) for b in batches]
+    else:  # the entering labels' runs, as the worker gives them (the fused step then reads nothing back)
+        batches = [replace(b, new_label_runs=label_runs(b.new_labels, video_mask(b.new_ids, b.spans)))
+                   for b in batches]
     texts = [text for text, _, _ in REQUESTS]
     firsts = [on_device(b, device) for b in batches]
     laters = [later_batch(b, text, BS) for b, text in zip(firsts, texts, strict=True)]

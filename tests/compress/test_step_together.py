@@ -176,7 +176,7 @@ def test_fused_frame_compressions_together_sized_by_label_runs_read_nothing_back
         pytest.skip("launches are counted on CPU under TRITON_INTERPRET=1")
     batches = [replace(b, new_label_runs=label_runs(b.new_labels, video_mask(b.new_ids, b.spans)))
                for b in _batches()]
-    seconds = [replace(later_batch(b, TEXT, BS), new_label_runs=0) for b in batches]
+    seconds = [later_batch(b, TEXT, BS) for b in batches]
     ref_setup = SelectionSetup(get_selector("cords"), "auto", False, (0, 0, 2, 2), kernels="torch")
     ref_caches = _caches()
     accessors = [PagedAccessor.of(ref_caches[0], D)] * LAYERS
