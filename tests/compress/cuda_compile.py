@@ -121,6 +121,8 @@ class Usage:
     loop_instructions: int = 0
     #: Global loads in that loop whose address comes from a load of the same iteration (:func:`dependent_loads`).
     dependent_loads: int = 0
+    #: Warp shuffles in that loop (``SHFL``): a float reduction's five rounds per warp, each waiting on the one before.
+    shuffles: int = 0
 
 
 def compiled_as_launched(kernel: Any, args: tuple, kwargs: dict, capability: int = 90) -> Usage:
@@ -191,6 +193,17 @@ def chained_loads(rows_ptr, x_ptr, out_ptr, n, BLOCK: tl.constexpr):
     tl.store(out_ptr + i, acc)
 
 
+def float_max_loop(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """A loop whose every step takes a float maximum over the program: the control of the ``shuffles`` count (a warp
+    reduces a float by shuffles; an ``int32`` by one ``REDUX``)."""
+    i = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + i)
+    best = tl.zeros([], dtype=tl.float32)
+    for _ in range(n):
+        best = tl.max(x + best, 0)
+    tl.store(out_ptr, best)
+
+
 def _compile_jobs(request: dict) -> dict[str, str]:
     import importlib
 
@@ -244,7 +257,8 @@ def _usage(compiled: Any) -> dict:
 
     return {"registers": int(found.group(1)), "stack_bytes": int(found.group(2)), "load_bits": tuple(bits("ld")),
             "store_bits": tuple(bits("st")), "loop_instructions": loop_instructions(sass),
-            "dependent_loads": dependent_loads(sass)}
+            "dependent_loads": dependent_loads(sass),
+            "shuffles": sum(_opcode(text).startswith("SHFL") for text in _longest_loop(sass))}
 
 
 def _longest_loop(sass: str) -> list[str]:
@@ -260,6 +274,12 @@ def _longest_loop(sass: str) -> list[str]:
         if start <= at and (span is None or at - start > span[1] - span[0]):
             span = (start, at)
     return [] if span is None else [text for at, text in address if span[0] <= at <= span[1]]
+
+
+def _opcode(text: str) -> str:
+    """An instruction's opcode (``SHFL.BFLY``), past its predicate (``@!P0``) if it has one."""
+    words = text.split()
+    return words[1] if words[0].startswith("@") else words[0]
 
 
 def _registers(operand: str, wide: bool) -> set[str]:
