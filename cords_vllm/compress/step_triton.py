@@ -193,12 +193,11 @@ def _plan_kernel(held_ids, held_video, held_labels, hs_a, hs_h, new_ids, new_lab
         sizes = tl.where(u < count, size, 0)
         lo = tl.max(sizes, 0) * 0 + 1
         hi = tl.maximum(tl.max(sizes, 0), 1)
-        for _ in range(0, 16):  # sizes below 65,536 tokens
+        while lo < hi:  # as many steps as the largest frame's size has bits (9 for 256 tokens)
             mid = (lo + hi) // 2
             enough = tl.sum(tl.where(sizes <= mid, sizes, 0), 0) >= still
-            searching = lo < hi
-            hi = tl.where(searching & enough, mid, hi)
-            lo = tl.where(searching & ~enough, mid + 1, lo)
+            hi = tl.where(enough, mid, hi)
+            lo = tl.where(enough, lo, mid + 1)
         below = (sizes > 0) & (sizes < lo)
         holding = tl.sum(below.to(tl.int32), 0) + (still - tl.sum(tl.where(below, sizes, 0), 0) + lo - 1) // lo
         holding = tl.where(tl.sum(sizes, 0) < still, count, holding)
