@@ -22,9 +22,12 @@ Design (one GEMM, then a persistent greedy loop over rows):
    is ``>= 0`` in it); each term's normalisation is one multiply by a per-step scale; the reductions take the
    maximum of the terms' bits as integers (:func:`_range_keys`: one ``REDUX`` per warp and value, not a chain of five
    shuffles); and the chosen unit's own terms (its reciprocal norms and squared-norm sum) are read from a scratch row
-   the program wrote once, not divided out again by every thread. 489 instructions per step at 7,744 units on sm_90
-   (577 with float reductions, 672 with a boolean pool besides), 148 at 480 units (235)
-   (:func:`tests.compress.cuda_compile.loop_instructions`).
+   the program wrote once, not divided out again by every thread. And a step's work follows the pool, not the row:
+   once the pool fits in half the row (``COMPACT``, from :data:`COMPACT_FROM` units), its units' indices, state and
+   terms are packed in index order into half as wide a state, and the steps go on over those (the Gram rows read at
+   the packed indices; the tie rule's order is theirs). At 7,744 units on sm_90: 492 instructions a step over the
+   whole row (577 with float reductions, 672 with a boolean pool besides), 314 over the packed pool, which the last
+   2,560 of a 6,144-step run take; 151 at 480 units (235) (:func:`tests.compress.cuda_compile.loop_instructions`).
 3. The exact novelty (:func:`_exact_residual`) keeps the squared residuals ``||(I - P_S) x_i||^2`` on chip instead
    of the running cosines, and the orthonormal directions of the selected set in a global buffer (at most ``Dc``
    per component, ``[P, C, Dc, Dc]`` for the ``C`` components it reads). A step whose new unit still has a residual
@@ -40,7 +43,7 @@ slack, which exists for exactly this, makes the chosen units the same (tested on
 ``TRITON_INTERPRET=1``).
 
 Launches per call: the norms, the seed scores, one or two GEMMs and the kernel: a fixed number whatever ``M``
-and ``k_max``. Memory: ``M`` x ``M`` fp32 per Gram matrix and problem (and ``3 M`` of scratch); problems past
+and ``k_max``. Memory: ``M`` x ``M`` fp32 per Gram matrix and problem (and ``10 M`` words of scratch); problems past
 :data:`GRAM_LIMIT_BYTES` or :data:`MAX_UNITS` (what one program holds on chip) run on the PyTorch path (said once in
 the log).
 """
@@ -64,6 +67,9 @@ logger = logging.getLogger(__name__)
 MAX_UNITS = 16384
 #: The most bytes the Gram matrices of one call may take on the kernel path.
 GRAM_LIMIT_BYTES = 4 << 30
+#: The narrowest run whose steps go on over the pool alone once it fits in half the run's width (narrower runs wait
+#: on their reductions, not on the work per unit, and compile one loop instead of two).
+COMPACT_FROM = 2048
 #: Every run's units are padded with invalid ones to a multiple of this: the kernel specializes on the unit count
 #: (the Gram rows' alignment), so runs of any size share its one variant per width (:func:`unit_width`).
 UNIT_ROWS = 16
@@ -137,17 +143,20 @@ def _range_of(keys):
     return hi.to(tl.float32, bitcast=True), -((~lo & 0x7FFFFFFF).to(tl.float32, bitcast=True))
 
 
-def _greedy_kernel(gk_ptr, gv_ptr, kn_ptr, vn_ptr, seed_ptr, valid_ptr, k_ptr, out_ptr, state_ptr,
+def _greedy_kernel(gk_ptr, gv_ptr, kn_ptr, vn_ptr, seed_ptr, valid_ptr, k_ptr, out_ptr, state_ptr, ids_ptr,
                    feats_ptr, basis_ptr, proj_ptr, m_units, k_max, gram_stride, f_problem, f_unit, comp_dim, value_off,
                    b_rows,
                    alpha, one_minus_alpha, neg2a, neg2b, eta, one_minus_eta, lam, eps0, tol, neg_snap,
                    USE_KD: tl.constexpr, USE_VD: tl.constexpr, USE_KO: tl.constexpr, USE_VO: tl.constexpr,
-                   EXACT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+                   EXACT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+                   COMPACT: tl.constexpr):
     """One problem's whole greedy run (program ``p``); writes ``out[p, :k_max]`` (``-1`` after ``k[p]``).
 
-    ``state[p]``: the program's scratch, ``float32 [3, m_units]``: every unit's squared-norm sum ``base`` and its
+    ``state[p]``: the program's scratch, ``float32 [9, m_units]``: every unit's squared-norm sum ``base`` and its
     reciprocal key and value norms, written once and read back by each step (the chosen unit's, and every unit's
-    rather than holding them in registers, which spilled).
+    rather than holding them in registers, which spilled); where the run compacts its pool (``COMPACT``), the same
+    three of the pool's units and their running state (distance, key and value novelty), packed, and their indices
+    in ``ids[p]`` (``int32 [m_units]``).
 
     ``EXACT``: the novelty is the exact residual (:func:`_exact_residual`, reading the units' features
     ``feats[p]``, ``f_unit`` apart, keys at 0 and values at ``value_off``, each ``comp_dim`` wide; the directions in
@@ -170,7 +179,7 @@ def _greedy_kernel(gk_ptr, gv_ptr, kn_ptr, vn_ptr, seed_ptr, valid_ptr, k_ptr, o
     inv_vn = tl.where(vn > 0.0, 1.0 / tl.where(vn > 0.0, vn, 1.0), 0.0)
     # A step reads the chosen unit's terms back (written by another thread: after the barrier) rather than every
     # thread working them out from its norms again (a division each: some 25 instructions a step for every warp).
-    state = p * (3 * m_units)
+    state = p * (9 * m_units)
     tl.store(state_ptr + state + offs, base, mask=inside)
     tl.store(state_ptr + state + m_units + offs, inv_kn, mask=inside)
     tl.store(state_ptr + state + 2 * m_units + offs, inv_vn, mask=inside)
@@ -187,6 +196,10 @@ def _greedy_kernel(gk_ptr, gv_ptr, kn_ptr, vn_ptr, seed_ptr, valid_ptr, k_ptr, o
     min_dist = tl.where(valid, float("inf"), float("-inf"))
     run_k = tl.where(valid, 2.0, float("-inf"))
     run_v = tl.where(valid, 2.0, float("-inf"))
+    # Read only by the exact novelty.
+    thr_k, thr_v, res_k, res_v = min_dist, min_dist, min_dist, min_dist
+    dirs_k, dirs_v = tl.zeros([], dtype=tl.int32), tl.zeros([], dtype=tl.int32)
+    f_row, b_key, b_value = p, p, p
     if EXACT:  # squared residuals start as the squared norms (0 only for zero vectors), as the reference's
         thr_k = tol * (kn * kn)
         thr_v = tol * (vn * vn)
@@ -207,69 +220,129 @@ def _greedy_kernel(gk_ptr, gv_ptr, kn_ptr, vn_ptr, seed_ptr, valid_ptr, k_ptr, o
     for t0 in range(steps, k_max, BLOCK):
         tail = t0 + offs
         tl.store(out_ptr + p * k_max + tail, tl.full([BLOCK], -1, tl.int64), mask=tail < k_max)
-    for t in range(0, steps):
-        tl.store(out_ptr + p * k_max + t, j.to(tl.int64))
-        j = tl.minimum(j, m_units - 1)  # stay in bounds, whatever the pool holds
-        base_j = tl.load(state_ptr + state + j)
-        base = tl.load(state_ptr + state + offs, mask=inside, other=0.0)
-        row = p * gram_stride + j.to(tl.int64) * m_units
-        bsum = base + base_j
-        dist = bsum
-        if USE_KD or (USE_KO and not EXACT):
-            gk = tl.load(gk_ptr + row + offs, mask=inside, other=0.0)
-        if USE_VD or (USE_VO and not EXACT):
-            gv = tl.load(gv_ptr + row + offs, mask=inside, other=0.0)
-        if USE_KD:
-            dist = dist + neg2a * gk
-        if USE_VD:
-            dist = dist + neg2b * gv
-        dist = tl.where(dist <= bsum * tol, 0.0, dist)  # snapped to 0 (negative ones too)
-        min_dist = tl.where(offs == j, float("-inf"), tl.minimum(min_dist, dist))  # j leaves the pool
+    # Steps on the whole row, then, once the pool fits in half of it, on the pool alone (COMPACT): a step's work
+    # follows the units still in the pool, not those the region started with.
+    t_half = steps
+    if COMPACT and not EXACT:
+        t_half = tl.minimum(tl.maximum(tl.sum(valid.to(tl.int32), 0) - BLOCK // 2, 0), steps)
+    for t in range(0, t_half):
+        j, min_dist, run_k, run_v, res_k, res_v, dirs_k, dirs_v = _step(
+            t, j, min_dist, run_k, run_v, res_k, res_v, dirs_k, dirs_v, thr_k, thr_v, offs, offs, inside, state, state,
+            p,
+            gk_ptr, gv_ptr, out_ptr, state_ptr, feats_ptr, basis_ptr, proj_ptr, m_units, k_max, gram_stride, f_row,
+            f_unit, comp_dim, value_off, b_key, b_value, b_rows, vec, eta, one_minus_eta, lam, eps0, tol, neg_snap,
+            neg2a, neg2b, USE_KD, USE_VD, USE_KO, USE_VO, EXACT, BLOCK, BLOCK, BLOCK_D, BLOCK_S)
+    if COMPACT and not EXACT:  # noqa: SIM102 (a compile-time branch: the code below is not built without it)
+        if t_half < steps:
+            # The pool (the unit chosen last included: it leaves at the next step) in index order, HALF wide: its
+            # units' indices, running state and terms (a second set of rows), each written where its rank puts it.
+            # It holds n_valid - t_half <= HALF units: each step takes one of the pool's (a score that is NaN,
+            # from Gram entries past float32's range, could break that; what is past HALF is then left out).
+            HALF: tl.constexpr = BLOCK // 2
+            keep = min_dist > float("-inf")
+            rank = tl.cumsum(keep.to(tl.int32), 0) - 1
+            count = tl.sum(keep.to(tl.int32), 0)
+            packed = state + 3 * m_units
+            running = state + 6 * m_units
+            tl.store(ids_ptr + vec + rank, offs, mask=keep)
+            for r in tl.static_range(3):  # the terms, from their rows (not kept in registers through the steps)
+                term = tl.load(state_ptr + state + r * m_units + offs, mask=keep, other=0.0)
+                tl.store(state_ptr + packed + r * m_units + rank, term, mask=keep)
+            tl.store(state_ptr + running + rank, min_dist, mask=keep)
+            tl.store(state_ptr + running + m_units + rank, run_k, mask=keep)
+            tl.store(state_ptr + running + 2 * m_units + rank, run_v, mask=keep)
+            tl.debug_barrier()  # written by other threads, read back below
+            at = tl.arange(0, HALF)
+            held = at < count
+            ids = tl.load(ids_ptr + vec + at, mask=held, other=0)
+            pool_d = tl.load(state_ptr + running + at, mask=held, other=float("-inf"))
+            pool_k = tl.load(state_ptr + running + m_units + at, mask=held, other=float("-inf"))
+            pool_v = tl.load(state_ptr + running + 2 * m_units + at, mask=held, other=float("-inf"))
+            for t in range(t_half, steps):
+                j, pool_d, pool_k, pool_v, res_k, res_v, dirs_k, dirs_v = _step(
+                    t, j, pool_d, pool_k, pool_v, res_k, res_v, dirs_k, dirs_v, thr_k, thr_v, ids, at, held, state,
+                    packed, p, gk_ptr, gv_ptr, out_ptr, state_ptr, feats_ptr, basis_ptr, proj_ptr, m_units, k_max,
+                    gram_stride, f_row, f_unit, comp_dim, value_off, b_key, b_value, b_rows, vec, eta,
+                    one_minus_eta, lam, eps0, tol, neg_snap, neg2a, neg2b, USE_KD, USE_VD, USE_KO, USE_VO, EXACT,
+                    HALF, BLOCK, BLOCK_D, BLOCK_S)
 
-        if USE_KO or USE_VO:
-            orth = tl.zeros([BLOCK], dtype=tl.float32)
-            if EXACT:
-                if USE_KO:
-                    res_k, dirs_k = _exact_residual(res_k, thr_k, dirs_k, j, offs, inside, m_units, feats_ptr, f_row,
-                                                    f_unit, 0, comp_dim, basis_ptr, b_key, b_rows, proj_ptr, vec,
-                                                    BLOCK_D, BLOCK_S)
-                    orth = res_k * eta
-                if USE_VO:
-                    res_v, dirs_v = _exact_residual(res_v, thr_v, dirs_v, j, offs, inside, m_units, feats_ptr, f_row,
-                                                    f_unit, value_off, comp_dim, basis_ptr, b_value, b_rows, proj_ptr,
-                                                    vec, BLOCK_D, BLOCK_S)
-                    orth = orth + res_v * one_minus_eta
-            else:
-                if USE_KO:
-                    inv_kn_j = tl.load(state_ptr + state + m_units + j)
-                    inv_kn = tl.load(state_ptr + state + m_units + offs, mask=inside, other=0.0)
-                    ncos = (gk * inv_kn_j) * -inv_kn
-                    run_k = tl.minimum(run_k, tl.where(ncos > neg_snap, ncos, -1.0) + 1.0)
-                    orth = run_k * eta
-                if USE_VO:
-                    inv_vn_j = tl.load(state_ptr + state + 2 * m_units + j)
-                    inv_vn = tl.load(state_ptr + state + 2 * m_units + offs, mask=inside, other=0.0)
-                    ncos = (gv * inv_vn_j) * -inv_vn
-                    run_v = tl.minimum(run_v, tl.where(ncos > neg_snap, ncos, -1.0) + 1.0)
-                    orth = orth + run_v * one_minus_eta  # + 0 is exact: the key term alone when the keys have none
-            # The novelty is >= 0 in the pool; adding min(min_dist, 0) (0 there, -inf out of it) leaves it there and
-            # marks the rest -inf, as the distance is.
-            orth = orth + tl.minimum(min_dist, 0.0)
-            # The pool's range of both rows in one reduction, for the distance and the novelty.
-            ranges = tl.max(tl.join(_range_keys(min_dist), _range_keys(orth)), 0)
-            dist_range, orth_range = tl.split(ranges)
-            hi, neg_lo = _range_of(dist_range)
-            hi_o, neg_lo_o = _range_of(orth_range)
-            score = ((min_dist + neg_lo) * (1.0 / (tl.maximum(hi + neg_lo, 0.0) + eps0))
-                     + (orth + neg_lo_o) * (lam / (tl.maximum(hi_o + neg_lo_o, 0.0) + eps0)))
+
+def _step(t, j, min_dist, run_k, run_v, res_k, res_v, dirs_k, dirs_v, thr_k, thr_v, ids, at, inside, state, terms, p,
+          gk_ptr, gv_ptr, out_ptr, state_ptr, feats_ptr, basis_ptr, proj_ptr, m_units, k_max, gram_stride, f_row,
+          f_unit, comp_dim, value_off, b_key, b_value, b_rows, vec, eta, one_minus_eta, lam, eps0, tol, neg_snap,
+          neg2a, neg2b, USE_KD: tl.constexpr, USE_VD: tl.constexpr, USE_KO: tl.constexpr, USE_VO: tl.constexpr,
+          EXACT: tl.constexpr, BLOCK: tl.constexpr, NONE: tl.constexpr, BLOCK_D: tl.constexpr,
+          BLOCK_S: tl.constexpr):
+    """One greedy step of :func:`_greedy_kernel` over ``BLOCK`` units: records ``j`` (chosen by the step before) as
+    the ``t``-th, folds it into the state and chooses the next. ``ids`` (``[BLOCK]``) are the units' indices (the
+    Gram rows' columns; the tie rule's order), ``at`` where their terms are in the rows at ``terms``
+    (``state[terms + r * m_units + at]``: ``r`` = 0 the squared-norm sum, 1 and 2 the reciprocal key and value
+    norms; the chosen unit's are read at ``state[state + r * m_units + j]``), ``inside`` which are units at
+    all. ``NONE``: the index no unit has. Returns the state, ``j`` the next unit."""
+    tl.store(out_ptr + p * k_max + t, j.to(tl.int64))
+    j = tl.minimum(j, m_units - 1)  # stay in bounds, whatever the pool holds
+    chosen = state + j
+    row = p * gram_stride + j.to(tl.int64) * m_units
+    if USE_KD or (USE_KO and not EXACT):
+        gk = tl.load(gk_ptr + row + ids, mask=inside, other=0.0)
+    if USE_VD or (USE_VO and not EXACT):
+        gv = tl.load(gv_ptr + row + ids, mask=inside, other=0.0)
+    base_j = tl.load(state_ptr + chosen)
+    base = tl.load(state_ptr + terms + at, mask=inside, other=0.0)
+    bsum = base + base_j
+    dist = bsum
+    if USE_KD:
+        dist = dist + neg2a * gk
+    if USE_VD:
+        dist = dist + neg2b * gv
+    dist = tl.where(dist <= bsum * tol, 0.0, dist)  # snapped to 0 (negative ones too)
+    min_dist = tl.where(ids == j, float("-inf"), tl.minimum(min_dist, dist))  # j leaves the pool
+
+    if USE_KO or USE_VO:
+        orth = tl.zeros([BLOCK], dtype=tl.float32)
+        if EXACT:
+            if USE_KO:
+                res_k, dirs_k = _exact_residual(res_k, thr_k, dirs_k, j, ids, inside, m_units, feats_ptr, f_row,
+                                                f_unit, 0, comp_dim, basis_ptr, b_key, b_rows, proj_ptr, vec,
+                                                BLOCK_D, BLOCK_S)
+                orth = res_k * eta
+            if USE_VO:
+                res_v, dirs_v = _exact_residual(res_v, thr_v, dirs_v, j, ids, inside, m_units, feats_ptr, f_row,
+                                                f_unit, value_off, comp_dim, basis_ptr, b_value, b_rows, proj_ptr,
+                                                vec, BLOCK_D, BLOCK_S)
+                orth = orth + res_v * one_minus_eta
         else:
-            hi, neg_lo = _range_of(tl.max(_range_keys(min_dist), 0))
-            score = (min_dist + neg_lo) * (1.0 / (tl.maximum(hi + neg_lo, 0.0) + eps0))
-        # Out of the pool the score is -inf: its terms are, and their scales are > 0 (a range is >= 0, the max with 0
-        # only keeps an empty pool's -inf range from making them NaN). In it the score is >= 0 (a term is a
-        # difference >= 0 times a scale > 0), so its maximum is that of its bits (:func:`_range_keys`).
-        best = tl.max(score.to(tl.int32, bitcast=True), 0).to(tl.float32, bitcast=True) - tol
-        j = tl.min(tl.where(score >= best, offs, BLOCK), 0)
+            if USE_KO:
+                inv_kn_j = tl.load(state_ptr + chosen + m_units)
+                inv_kn = tl.load(state_ptr + terms + m_units + at, mask=inside, other=0.0)
+                ncos = (gk * inv_kn_j) * -inv_kn
+                run_k = tl.minimum(run_k, tl.where(ncos > neg_snap, ncos, -1.0) + 1.0)
+                orth = run_k * eta
+            if USE_VO:
+                inv_vn_j = tl.load(state_ptr + chosen + 2 * m_units)
+                inv_vn = tl.load(state_ptr + terms + 2 * m_units + at, mask=inside, other=0.0)
+                ncos = (gv * inv_vn_j) * -inv_vn
+                run_v = tl.minimum(run_v, tl.where(ncos > neg_snap, ncos, -1.0) + 1.0)
+                orth = orth + run_v * one_minus_eta  # + 0 is exact: the key term alone when the keys have none
+        # The novelty is >= 0 in the pool; adding min(min_dist, 0) (0 there, -inf out of it) leaves it there and
+        # marks the rest -inf, as the distance is.
+        orth = orth + tl.minimum(min_dist, 0.0)
+        # The pool's range of both rows in one reduction, for the distance and the novelty.
+        ranges = tl.max(tl.join(_range_keys(min_dist), _range_keys(orth)), 0)
+        dist_range, orth_range = tl.split(ranges)
+        hi, neg_lo = _range_of(dist_range)
+        hi_o, neg_lo_o = _range_of(orth_range)
+        score = ((min_dist + neg_lo) * (1.0 / (tl.maximum(hi + neg_lo, 0.0) + eps0))
+                 + (orth + neg_lo_o) * (lam / (tl.maximum(hi_o + neg_lo_o, 0.0) + eps0)))
+    else:
+        hi, neg_lo = _range_of(tl.max(_range_keys(min_dist), 0))
+        score = (min_dist + neg_lo) * (1.0 / (tl.maximum(hi + neg_lo, 0.0) + eps0))
+    # Out of the pool the score is -inf: its terms are, and their scales are > 0 (a range is >= 0, the max with 0
+    # only keeps an empty pool's -inf range from making them NaN). In it the score is >= 0 (a term is a
+    # difference >= 0 times a scale > 0), so its maximum is that of its bits (:func:`_range_keys`).
+    best = tl.max(score.to(tl.int32, bitcast=True), 0).to(tl.float32, bitcast=True) - tol
+    j = tl.min(tl.where(score >= best, ids, NONE), 0)
+    return j, min_dist, run_k, run_v, res_k, res_v, dirs_k, dirs_v
 
 
 #: The greedy kernel's arguments Triton must not specialize, so that another budget compiles nothing: the step count
@@ -292,6 +365,7 @@ if triton is not None:  # the kernel's helper: jitted (compiled or interpreted a
     _exact_residual = triton.jit(_exact_residual)
     _range_keys = triton.jit(_range_keys)
     _range_of = triton.jit(_range_of)
+    _step = triton.jit(_step)
 
 
 @contextlib.contextmanager
@@ -317,9 +391,10 @@ def _warps(block: int) -> int:
 
 
 def unit_width(block: int) -> dict[str, int]:
-    """The kernel's width at ``block`` units (a power of two, at least 16): its ``BLOCK`` and warps, the only
-    settings of its launch that change with a run's size (the others follow the model and the policy)."""
-    return {"BLOCK": block, "num_warps": _warps(block)}
+    """The kernel's width at ``block`` units (a power of two, at least 16): its ``BLOCK``, warps and whether it
+    compacts the pool (:data:`COMPACT_FROM`), the only settings of its launch that change with a run's size (the
+    others follow the model and the policy)."""
+    return {"BLOCK": block, "num_warps": _warps(block), "COMPACT": block >= COMPACT_FROM}
 
 
 def cords_greedy_triton(feats: torch.Tensor, key_dim: int, valid: torch.Tensor, k: torch.Tensor, k_max: int, *,
@@ -419,7 +494,9 @@ def greedy_from_units(feats: torch.Tensor, key_dim: int, kn: torch.Tensor, vn: t
         gv = torch.bmm(values, values.transpose(1, 2)) if terms.gram_v else empty
     seed = seed if terms.use_kd and terms.use_vd else (kn if terms.use_kd else vn)
     out = torch.empty((p_count, k_max), dtype=torch.long, device=feats.device)
-    state = torch.empty((p_count, 3, m_units), dtype=torch.float32, device=feats.device)  # the kernel's scratch
+    # The kernel's scratch: the units' terms, the pool's terms and running state once compacted, the pool's indices.
+    state = torch.empty((p_count, 9, m_units), dtype=torch.float32, device=feats.device)
+    pool_ids = torch.empty((p_count, m_units), dtype=torch.int32, device=feats.device)
     tol = snap_tolerance(feats.dtype)
     # The exact novelty's directions, [P, C, b_rows, Dc] for the C components it reads (at most Dc per component:
     # they are orthonormal), and every unit's projection on the newest, [P, M].
@@ -433,7 +510,7 @@ def greedy_from_units(feats: torch.Tensor, key_dim: int, kn: torch.Tensor, vn: t
     else:
         basis = proj = empty
     launch("greedy", _compiled(interpreting()), (p_count,),
-        gk, gv, kn.contiguous(), vn.contiguous(), seed.contiguous(), valid.contiguous(), k, out, state,
+        gk, gv, kn.contiguous(), vn.contiguous(), seed.contiguous(), valid.contiguous(), k, out, state, pool_ids,
         feats, basis, proj, m_units, k_max, m_units * m_units, feats.stride(0), feats.stride(1), comp_dim, key_dim,
         b_rows,
         alpha, 1.0 - alpha, -2.0 * alpha, -2.0 * (1.0 - alpha), eta, 1.0 - eta, lam, eps0, tol, -(1.0 - tol),

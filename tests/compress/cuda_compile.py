@@ -123,6 +123,8 @@ class Usage:
     dependent_loads: int = 0
     #: Warp shuffles in that loop (``SHFL``): a float reduction's five rounds per warp, each waiting on the one before.
     shuffles: int = 0
+    #: The lengths of every loop of the kernel (:func:`loop_lengths`), longest first.
+    loops: tuple[int, ...] = ()
 
 
 def compiled_as_launched(kernel: Any, args: tuple, kwargs: dict, capability: int = 90) -> Usage:
@@ -258,22 +260,34 @@ def _usage(compiled: Any) -> dict:
     return {"registers": int(found.group(1)), "stack_bytes": int(found.group(2)), "load_bits": tuple(bits("ld")),
             "store_bits": tuple(bits("st")), "loop_instructions": loop_instructions(sass),
             "dependent_loads": dependent_loads(sass),
-            "shuffles": sum(_opcode(text).startswith("SHFL") for text in _longest_loop(sass))}
+            "shuffles": sum(_opcode(text).startswith("SHFL") for text in _longest_loop(sass)),
+            "loops": loop_lengths(sass)}
 
 
-def _longest_loop(sass: str) -> list[str]:
-    """The instructions (text, predicate included) of the longest loop of a kernel's SASS: from the target of a
-    backward branch to the branch, both included; empty where no branch goes back."""
+def _loops(sass: str) -> list[list[str]]:
+    """The instructions (text, predicate included) of each loop of a kernel's SASS, longest first: from the target of
+    a backward branch to the branch, both included."""
     import re
 
     address = [(int(a, 16), text.strip()) for a, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
-    span = None
+    spans = []
     for at, text in address:
         target = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
-        start = int(target.group(1), 16) if target else at + 1
-        if start <= at and (span is None or at - start > span[1] - span[0]):
-            span = (start, at)
-    return [] if span is None else [text for at, text in address if span[0] <= at <= span[1]]
+        if target and int(target.group(1), 16) <= at:
+            spans.append((int(target.group(1), 16), at))
+    loops = [[text for at, text in address if start <= at <= end] for start, end in spans]
+    return sorted(loops, key=len, reverse=True)
+
+
+def _longest_loop(sass: str) -> list[str]:
+    """The instructions of the longest loop of a kernel's SASS (:func:`_loops`); empty where no branch goes back."""
+    loops = _loops(sass)
+    return loops[0] if loops else []
+
+
+def loop_lengths(sass: str) -> tuple[int, ...]:
+    """The length in machine instructions of every loop of a kernel's SASS, longest first."""
+    return tuple(len(loop) for loop in _loops(sass))
 
 
 def _opcode(text: str) -> str:

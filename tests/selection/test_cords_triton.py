@@ -52,6 +52,16 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return seen
 
 
+@pytest.fixture(autouse=True, params=["whole", "compacted"])
+def pool(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test twice: at the kernel's own widths (these sizes step over the whole row), and with every run's
+    steps going on over its pool alone once it fits in half the row (:data:`cords_triton.COMPACT_FROM` at the
+    narrowest width)."""
+    if request.param == "compacted":
+        monkeypatch.setattr(cords_triton, "COMPACT_FROM", cords_triton.UNIT_ROWS)
+    return request.param
+
+
 #: Where the kernels run: compiled on a GPU, interpreted on CPU.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -136,3 +146,29 @@ def test_the_exact_novelty_saturates_as_the_reference_does(rank, noise, launches
         reference, kernel = _both("cords", params, keys.contiguous(), values, 60)
         assert torch.equal(kernel.order, reference.order)
     assert launches
+
+
+@pytest.mark.parametrize(("tokens", "valid_tokens", "budget"), [(200, 200, 150), (200, 90, 60), (130, 130, 129)])
+def test_a_run_goes_on_over_its_pool_alone_once_it_fits_in_half_the_row(tokens, valid_tokens, budget, pool,
+                                                                         monkeypatch):
+    """A run of ``tokens`` units (256 wide) of which ``valid_tokens`` are candidates: once its pool (the candidates
+    not yet chosen, the next one included) is 128 units or fewer, its steps go on over those alone, packed in index
+    order, and it keeps the PyTorch path's units. From the start where the candidates are that few, after
+    ``valid_tokens - 128`` steps otherwise (the packed indices are the pool's then), down to a pool of 1."""
+    if pool != "compacted":
+        pytest.skip("the compacted runs")
+    seen = []
+    run = cords_triton.launch
+    monkeypatch.setattr(cords_triton, "launch", lambda name, kernel, grid, *args, **kwargs: (
+        seen.append(args), run(name, kernel, grid, *args, **kwargs))[1])
+    g = torch.Generator().manual_seed(tokens + valid_tokens)
+    keys, values = torch.randn(1, 2, tokens, 8, generator=g), torch.randn(1, 2, tokens, 8, generator=g)
+    candidates = torch.zeros(1, tokens, dtype=torch.bool)
+    candidates[0, torch.randperm(tokens, generator=g)[:valid_tokens]] = True
+    reference, kernel = _both("cords", {}, keys, values, budget, candidates=candidates)
+    assert torch.equal(kernel.order, reference.order)
+    ids = seen[-1][9][0].cpu()  # the packed pool's indices, as the kernel wrote them
+    before = max(valid_tokens - 128, 0)
+    order = kernel.order.view(-1).cpu()
+    pool_then = sorted(set(torch.nonzero(candidates[0]).view(-1).tolist()) - set(order[:before].tolist()))
+    assert ids[:len(pool_then)].tolist() == pool_then
