@@ -234,11 +234,10 @@ def _greedy_kernel(gk_ptr, gv_ptr, kn_ptr, vn_ptr, seed_ptr, valid_ptr, k_ptr, o
             neg2a, neg2b, USE_KD, USE_VD, USE_KO, USE_VO, EXACT, BLOCK, BLOCK, BLOCK_D, BLOCK_S)
     if COMPACT and not EXACT:  # noqa: SIM102 (a compile-time branch: the code below is not built without it)
         if t_half < steps:
-            # The pool (the unit chosen last included: it leaves at the next step) in index order, HALF wide: its
+            # The pool (the unit chosen last included: it leaves at the next step) in index order, half as wide: its
             # units' indices, running state and terms (a second set of rows), each written where its rank puts it.
-            # It holds n_valid - t_half <= HALF units: each step takes one of the pool's (a score that is NaN,
-            # from Gram entries past float32's range, could break that; what is past HALF is then left out).
-            HALF: tl.constexpr = BLOCK // 2
+            # It holds n_valid - t_half <= BLOCK // 2 units: each step takes one of the pool's (a score that is
+            # NaN, from Gram entries past float32's range, could break that; what is past the half is left out).
             keep = min_dist > float("-inf")
             rank = tl.cumsum(keep.to(tl.int32), 0) - 1
             count = tl.sum(keep.to(tl.int32), 0)
@@ -252,7 +251,7 @@ def _greedy_kernel(gk_ptr, gv_ptr, kn_ptr, vn_ptr, seed_ptr, valid_ptr, k_ptr, o
             tl.store(state_ptr + running + m_units + rank, run_k, mask=keep)
             tl.store(state_ptr + running + 2 * m_units + rank, run_v, mask=keep)
             tl.debug_barrier()  # written by other threads, read back below
-            at = tl.arange(0, HALF)
+            at = tl.arange(0, BLOCK // 2)
             held = at < count
             ids = tl.load(ids_ptr + vec + at, mask=held, other=0)
             pool_d = tl.load(state_ptr + running + at, mask=held, other=float("-inf"))
@@ -264,7 +263,7 @@ def _greedy_kernel(gk_ptr, gv_ptr, kn_ptr, vn_ptr, seed_ptr, valid_ptr, k_ptr, o
                     packed, p, gk_ptr, gv_ptr, out_ptr, state_ptr, feats_ptr, basis_ptr, proj_ptr, m_units, k_max,
                     gram_stride, f_row, f_unit, comp_dim, value_off, b_key, b_value, b_rows, vec, eta,
                     one_minus_eta, lam, eps0, tol, neg_snap, neg2a, neg2b, USE_KD, USE_VD, USE_KO, USE_VO, EXACT,
-                    HALF, BLOCK, BLOCK_D, BLOCK_S)
+                    BLOCK // 2, BLOCK, BLOCK_D, BLOCK_S)
 
 
 def _step(t, j, min_dist, run_k, run_v, res_k, res_v, dirs_k, dirs_v, thr_k, thr_v, ids, at, inside, state, terms, p,
@@ -315,13 +314,13 @@ def _step(t, j, min_dist, run_k, run_v, res_k, res_v, dirs_k, dirs_v, thr_k, thr
             if USE_KO:
                 inv_kn_j = tl.load(state_ptr + chosen + m_units)
                 inv_kn = tl.load(state_ptr + terms + m_units + at, mask=inside, other=0.0)
-                ncos = (gk * inv_kn_j) * -inv_kn
+                ncos = (gk * -inv_kn_j) * inv_kn  # the sign on the scalar: a product's is exact wherever it goes
                 run_k = tl.minimum(run_k, tl.where(ncos > neg_snap, ncos, -1.0) + 1.0)
                 orth = run_k * eta
             if USE_VO:
                 inv_vn_j = tl.load(state_ptr + chosen + 2 * m_units)
                 inv_vn = tl.load(state_ptr + terms + 2 * m_units + at, mask=inside, other=0.0)
-                ncos = (gv * inv_vn_j) * -inv_vn
+                ncos = (gv * -inv_vn_j) * inv_vn
                 run_v = tl.minimum(run_v, tl.where(ncos > neg_snap, ncos, -1.0) + 1.0)
                 orth = orth + run_v * one_minus_eta  # + 0 is exact: the key term alone when the keys have none
         # The novelty is >= 0 in the pool; adding min(min_dist, 0) (0 there, -inf out of it) leaves it there and
