@@ -34,7 +34,6 @@ class _Lines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-@pytest.mark.engine
 def test_the_kernels_key_reaches_the_workers_and_both_paths_keep_the_same_tokens(tiny_model, monkeypatch):
     """(The Triton run's start-up warm-up fails here, on purpose: the worker says why and serves.)"""
     prompts = [{"prompt": VIDEO_PROMPT, "multi_modal_data": {"video": video(48)}}]
@@ -71,7 +70,6 @@ def _warmup(worker):
     return attached_compressor(worker.model_runner).warmup
 
 
-@pytest.mark.engine
 def test_the_kernels_compile_at_start_up_for_every_width_the_videos_take(tiny_model, monkeypatch):
     """The worker compiles its kernels when the engine starts (here their variants are listed: the interpreter has
     nothing to compile), and the compressions of videos of several lengths, at the server's budget and at budgets

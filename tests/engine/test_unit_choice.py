@@ -10,8 +10,6 @@ worker that ignored the rule, fails one of the comparisons. Its exactness agains
 
 from __future__ import annotations
 
-import pytest
-
 from cords_vllm.compress.unit_choice import DEFAULT_MIN_UNITS, Unit, compression_unit
 from tests.engine.conftest import VIDEO_PROMPT, run_engine, video
 
@@ -20,7 +18,6 @@ def _kept(run) -> list[list[list[int]]]:
     return [[ids.tolist() for ids in event.kept_logical] for event in run.events]
 
 
-@pytest.mark.engine
 def test_auto_keeps_what_the_unit_its_rule_names_keeps(tiny_model):
     prompts = [{"prompt": VIDEO_PROMPT, "multi_modal_data": {"video": video(48)}}]
     common = {"max_tokens": 2, "budget": 256, "slack": 64}
