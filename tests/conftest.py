@@ -19,11 +19,21 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engin
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from cords_vllm.integration.inprocess.heap import settle_if_thawed
 from cords_vllm.lab.synthetic import TinyModelSpec, build_tiny_qwen2vl
 from cords_vllm.threads import intra_op_threads
 
 #: Test directories of pure-torch code on tiny tensors, run with one intra-op thread (see cords_vllm.threads).
 ONE_THREAD_DIRS = ("selection", "metrics", "compress")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    """Before a test's fixtures start an engine, the heap the last one thawed is settled
+    (:mod:`cords_vllm.integration.inprocess.heap`: five full collections of the whole heap per engine were more
+    than half of a short engine test)."""
+    settle_if_thawed()
+    yield
 
 
 @pytest.fixture(autouse=True, scope="module")

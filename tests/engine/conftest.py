@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 from dataclasses import dataclass, field
@@ -13,6 +12,7 @@ import pytest
 pytest.importorskip("vllm", reason="tests/engine drive vLLM's engine; vLLM is not installed")
 
 from cords_vllm.config import kv_policy_args
+from cords_vllm.integration.inprocess.heap import settle
 from cords_vllm.integration.inprocess.introspect import host_lengths, record_steps, snapshot
 from cords_vllm.integration.inprocess.llm import make_llm
 from cords_vllm.lab.reference.exactness import chunks_for, evictions_of
@@ -76,7 +76,7 @@ def run_engine(model: str, prompts: list[dict], policy: str = "none", max_tokens
         published_peak=_published_peak(llm),
     )
     del llm
-    gc.collect()
+    settle()
     return run
 
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import gc
 import time
 
 import pytest
 
 from cords_vllm.config import kv_policy_args
+from cords_vllm.integration.inprocess.heap import settle
 from cords_vllm.integration.inprocess.introspect import scheduler_of, snapshot
 from cords_vllm.integration.inprocess.llm import make_llm
 from cords_vllm.utils import cdiv
@@ -80,7 +80,7 @@ def test_abort_mid_prefill_returns_every_block_and_state(tiny_model):
     assert state.free_blocks == free
     assert state.requests == {} and state.held_by_workers == {}
     del scheduler, llm
-    gc.collect()
+    settle()
 
 
 def test_forced_preemption_after_compression_recomputes_exactly(tiny_model):
@@ -105,7 +105,7 @@ def test_forced_preemption_after_compression_recomputes_exactly(tiny_model):
     state = snapshot(llm)
     assert state.free_blocks == free and state.held_by_workers == {}
     del scheduler, llm
-    gc.collect()
+    settle()
 
 
 def test_bf16_engine_compresses_with_the_packed_layout(tiny_model):

@@ -11,14 +11,13 @@ positions, and only video (or image) tokens and their markers are ever evicted: 
 
 from __future__ import annotations
 
-import gc
-
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
 from cords_vllm.config import kv_policy_args
+from cords_vllm.integration.inprocess.heap import settle
 from cords_vllm.integration.inprocess.llm import make_llm
 from cords_vllm.lab.synthetic import TinyModelSpec, build_tiny_model
 from tests.engine.conftest import (
@@ -54,7 +53,7 @@ def family(request):
 
     path = str(build_tiny_model(TinyModelSpec(family=request.param, dtype="float32")))
     yield request.param, path, HFReference(path, fps=FPS)
-    gc.collect()
+    settle()
 
 
 def _dropped(ids: torch.Tensor, events) -> set[int]:
@@ -137,7 +136,7 @@ def test_a_live_stream_is_compressed_across_turns_and_equals_the_reference(famil
     assert run.free_after == run.free_before
     assert run.held.evicted_tokens > 0, "the stream was re-based: evicted tokens left its request"
     del llm
-    gc.collect()
+    settle()
     evictions = evictions_of(events)
     assert len(evictions) >= 3
     prompt = "".join(texts) + question

@@ -11,13 +11,12 @@ spares them: without that, the gap was 0.03 to 0.07).
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 
 from cords_vllm.config import KVPolicyConfigError
 from cords_vllm.integration import plans
+from cords_vllm.integration.inprocess.heap import settle
 from cords_vllm.integration.startup.checks import EXPERIMENTAL_HYBRID_ENV, check_attention
 from cords_vllm.lab.synthetic import TinyModelSpec, build_tiny_model
 from tests.engine.conftest import VIDEO_PROMPT, assert_exact_with_control, run_engine, video
@@ -71,7 +70,7 @@ def hybrid_run(hybrid_model):
         mp.setattr(plans, "spare_freed_blocks", recording)
         run = run_engine(hybrid_model, [_prompt()], "cords", max_tokens=4, engine_kwargs=BF16, budget=256, slack=64)
     run.spared = spared
-    gc.collect()
+    settle()
     return run
 
 

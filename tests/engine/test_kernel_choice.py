@@ -8,7 +8,6 @@ take the PyTorch copy, and the fused step, which reads the GPU backends' paged v
 
 from __future__ import annotations
 
-import gc
 import logging
 import re
 
@@ -17,6 +16,7 @@ import pytest
 import cords_vllm.integration.worker.compressor as compressor
 from cords_vllm.compress import kernel_warmup
 from cords_vllm.config import KVPolicyConfig, KVPolicyConfigError, kv_policy_args
+from cords_vllm.integration.inprocess.heap import settle
 from cords_vllm.integration.inprocess.llm import make_llm
 from cords_vllm.integration.worker.hooks import attached_compressor
 from cords_vllm.selection import cords_triton
@@ -102,7 +102,7 @@ def test_the_kernels_compile_at_start_up_for_every_width_the_videos_take(tiny_mo
                      SamplingParams(temperature=0.0, max_tokens=1, extra_args={"kv_policy": {"budget": budget}}),
                      use_tqdm=False)
     del llm
-    gc.collect()
+    settle()
     warmed = {specialization(v.kernel, v.args, v.kwargs) for v in report.variants if v.name == "greedy"}
     blocks = {dict(fixed)["BLOCK"] for fixed, _ in launched}
     assert len(blocks) >= 2, blocks  # compressions of several widths

@@ -14,10 +14,9 @@ far as an offset (without it, they do not).
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 
+from cords_vllm.integration.inprocess.heap import settle
 from cords_vllm.lab.reference.exactness import CONTROL_FACTOR
 from cords_vllm.lab.synthetic.tiny_llava import TinyLlavaSpec, build_tiny_llava_next_video
 from cords_vllm.model_facts import FRAMES_FROM_LAYOUT, ModelFacts
@@ -45,7 +44,7 @@ def llava():
 
     path = str(build_tiny_llava_next_video(SPEC))
     yield path, HFLlavaNextVideoReference(path)
-    gc.collect()
+    settle()
 
 
 def _request(frames) -> dict:
@@ -121,7 +120,7 @@ def _session(llava, turns: list[dict], max_tokens: int):
                    limit_mm_per_prompt={"video": 1}, **kv_policy_args("cords", budget=192, slack=64))
     run = run_session(llm, turns, logprobs=20, answer_tokens=max_tokens)
     del llm
-    gc.collect()
+    settle()
     return run
 
 

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 
 from cords_vllm.compress.plan import BudgetSettings, stream_footprint_blocks
 from cords_vllm.config import kv_policy_args
+from cords_vllm.integration.inprocess.heap import settle
 from cords_vllm.integration.inprocess.introspect import snapshot
 from cords_vllm.integration.inprocess.llm import make_llm
 from cords_vllm.integration.inprocess.session import EngineSession
@@ -46,7 +45,7 @@ def test_by_default_the_pool_must_hold_the_footprint_of_8192_text_tokens_not_max
     llm = make_llm(tiny_model, **engine, **kv_policy_args("cords", budget=BUDGET, slack=SLACK))
     assert snapshot(llm).total_blocks == blocks
     del llm
-    gc.collect()
+    settle()
     with pytest.raises(ValueError, match="max seq len"):  # without a policy, vLLM's own rule
         make_llm(tiny_model, **engine)
 
@@ -75,7 +74,7 @@ def test_a_stream_runs_to_twenty_pools_with_flat_blocks(tiny_model):
     session.close()
     assert snapshot(llm).free_blocks == free
     del llm
-    gc.collect()
+    settle()
 
 
 def test_a_request_with_more_text_than_max_text_tokens_ends_with_an_error(tiny_model):
@@ -89,7 +88,7 @@ def test_a_request_with_more_text_than_max_text_tokens_ends_with_an_error(tiny_m
     assert outs[1].outputs[0].finish_reason == "length" and len(outs[1].outputs[0].token_ids) == 2
     assert snapshot(llm).free_blocks == POOL
     del llm
-    gc.collect()
+    settle()
 
 
 @pytest.mark.parametrize("policy", ["cords", "none"])
@@ -133,7 +132,7 @@ def test_a_session_past_max_model_len_ends_alone_and_the_engine_serves_on(tiny_m
     other.close()
     assert snapshot(llm).free_blocks == free
     del llm
-    gc.collect()
+    settle()
 
 
 def test_only_a_session_is_ended_for_its_length_and_only_when_no_token_fits():
@@ -170,7 +169,7 @@ def test_a_streams_host_state_stays_bounded_by_what_it_holds_across_50_pushes(ti
     assert len(answer) == 1
     session.close()
     del llm
-    gc.collect()
+    settle()
 
 
 def _next_position(llm, req_id):
@@ -211,7 +210,7 @@ def test_a_stream_passes_its_rotary_range_in_tokens_answers_and_ends_at_its_posi
     other.close()
     assert snapshot(llm).free_blocks == free
     del llm
-    gc.collect()
+    settle()
 
 
 def test_streams_filling_the_pool_to_their_footprints_are_never_preempted(tiny_model):
@@ -241,7 +240,7 @@ def test_streams_filling_the_pool_to_their_footprints_are_never_preempted(tiny_m
     llm.llm_engine.step()  # aborted requests reach the workers with the next step
     assert snapshot(llm).free_blocks == 4 * footprint
     del llm
-    gc.collect()
+    settle()
 
 
 def test_a_rebased_stream_the_scheduler_must_preempt_ends_alone_with_its_reason(tiny_model):
@@ -271,4 +270,4 @@ def test_a_rebased_stream_the_scheduler_must_preempt_ends_alone_with_its_reason(
     llm.llm_engine.step()
     assert snapshot(llm).free_blocks == free
     del llm
-    gc.collect()
+    settle()

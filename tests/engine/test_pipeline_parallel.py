@@ -18,13 +18,13 @@ plugin kept out of the workers.
 
 from __future__ import annotations
 
-import gc
 import logging
 
 import pytest
 import torch
 
 from cords_vllm.config import KVPolicyConfigError, kv_policy_args
+from cords_vllm.integration.inprocess.heap import settle
 from cords_vllm.integration.inprocess.introspect import worker_snapshots
 from cords_vllm.integration.inprocess.llm import make_llm
 from tests.engine.conftest import BLOCK, CHUNK, VIDEO_PROMPT
@@ -81,7 +81,7 @@ def _run(model: str, stages: int, policy: dict | None, with_session: bool = Fals
         finally:
             llm.llm_engine.engine_core.shutdown()
             del llm
-            gc.collect()
+            settle()
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +187,7 @@ def test_a_later_stage_fails_on_the_cpu_build_without_the_plugin(tiny_model, cap
         failed = False
     except Exception:  # vLLM raises several kinds here
         failed = True
-    gc.collect()
+    settle()
     captured = capfd.readouterr()
     assert failed
     assert "assert self.intermediate_tensors is not None" in captured.out + captured.err

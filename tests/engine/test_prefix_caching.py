@@ -4,11 +4,10 @@ off."""
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 
 from cords_vllm.config import kv_policy_args
+from cords_vllm.integration.inprocess.heap import settle
 from cords_vllm.integration.inprocess.introspect import scheduler_of, snapshot
 from cords_vllm.integration.inprocess.llm import make_llm
 from tests.engine.conftest import BLOCK, CHUNK, TEXT_PROMPT, VIDEO_PROMPT, video
@@ -65,7 +64,7 @@ def test_requests_the_policy_never_compresses_use_the_cache(tiny_model, cache_hi
     assert len({r for r, _ in cache_hits}) == 2 and all(n >= BLOCK for _, n in cache_hits)
     assert snapshot(llm).compressions == 0
     del llm
-    gc.collect()
+    settle()
 
 
 def test_requests_the_policy_compresses_bypass_the_cache_and_keep_their_tokens(tiny_model, cache_hits):
@@ -87,7 +86,7 @@ def test_requests_the_policy_compresses_bypass_the_cache_and_keep_their_tokens(t
             text_blocks = (len(llm.get_tokenizer()(text["prompt"]).input_ids) + 4) // BLOCK
             assert 0 < len(pool.cached_block_hash_to_block) <= text_blocks
         del llm
-        gc.collect()
+        settle()
     assert compressions[True] == compressions[False] > 0
     assert runs[True] == runs[False]
     assert runs[True][0] == runs[True][1]

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 
 from cords_vllm.compress.plan import BudgetSettings, compressed_footprint_blocks
 from cords_vllm.config import kv_policy_args
+from cords_vllm.integration.inprocess.heap import settle
 from cords_vllm.integration.inprocess.introspect import record_steps, snapshot
 from cords_vllm.integration.inprocess.llm import make_llm
 from cords_vllm.integration.inprocess.session import EngineSession
@@ -62,7 +61,7 @@ def session_run(tiny_model):
     result = {"answers": answers, "held": held_after_turn, "events": events, "steps": steps,
               "free_before": free, "free_after": snapshot(llm).free_blocks, "request_id": session.request_id}
     del llm
-    gc.collect()
+    settle()
     return result
 
 
@@ -119,7 +118,7 @@ def test_answers_and_kept_tokens_equal_the_one_shot_request_and_hf(tiny_model, s
     top = outs[-1].outputs[0].logprobs[0]
     assert max(abs(lp.logprob - float(ref_lp[0, t])) for t, lp in top.items()) < 2e-4
     del llm
-    gc.collect()
+    settle()
 
 
 @pytest.mark.parametrize("where", ["mid-push", "mid-question", "waiting"])
@@ -145,4 +144,4 @@ def test_ending_a_session_anywhere_returns_every_block(tiny_model, where):
     state = snapshot(llm)
     assert state.free_blocks == free and state.requests == {} and state.held_by_workers == {}
     del llm
-    gc.collect()
+    settle()

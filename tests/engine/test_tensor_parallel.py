@@ -18,12 +18,11 @@ the TP workers, so they load the plugin themselves.
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 
 from cords_vllm.config import kv_policy_args
+from cords_vllm.integration.inprocess.heap import settle
 from cords_vllm.integration.inprocess.introspect import worker_snapshots
 from cords_vllm.integration.inprocess.llm import make_llm
 from tests.engine.conftest import BLOCK, CHUNK, VIDEO_PROMPT
@@ -73,7 +72,7 @@ def _run(model: str, tp: int, config: dict, with_session: bool) -> dict:
         finally:
             llm.llm_engine.engine_core.shutdown()
             del llm
-            gc.collect()
+            settle()
     return result
 
 

@@ -9,14 +9,13 @@ Qwen3-VL's count is short.
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 
 from cords_vllm.conversation.transcript import Transcript
 from cords_vllm.integration.api_server.streams.live import clip_input
 from cords_vllm.integration.api_server.streams.turn_tokens import turn_counter
 from cords_vllm.integration.engine_facts import model_facts_of
+from cords_vllm.integration.inprocess.heap import settle
 from cords_vllm.integration.inprocess.llm import make_llm
 from cords_vllm.lab.synthetic import TinyModelSpec, build_tiny_model
 from tests.engine.conftest import video
@@ -33,7 +32,7 @@ def engine(request, tiny_model):
     llm = make_llm(path)  # fp32, no policy
     yield request.param, llm
     del llm
-    gc.collect()
+    settle()
 
 
 def _engine_tokens(llm, prompt: str, clip) -> int:

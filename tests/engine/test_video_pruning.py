@@ -9,7 +9,6 @@ frame's (checked against the bare-placeholder prompt's positions, and without th
 
 from __future__ import annotations
 
-import gc
 import json
 import re
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from cords_vllm.integration.inprocess.heap import settle
 from cords_vllm.integration.worker import video_pruning
 from cords_vllm.lab.synthetic import TinyModelSpec, build_tiny_model
 from tests.engine.conftest import VIDEO_PROMPT, run_engine, video
@@ -38,7 +38,7 @@ ONE_CHUNK = {"max_num_scheduled_tokens": 4096}
 def family(request) -> tuple[str, str]:
     """``(family, checkpoint)``, fp32."""
     yield request.param, str(build_tiny_model(TinyModelSpec(family=request.param, dtype="float32")))
-    gc.collect()
+    settle()
 
 
 @pytest.fixture(scope="module")
@@ -154,5 +154,5 @@ def _failure(path: str, prompt: str, engine_kwargs: dict | None = None) -> str:
         message = ""
     except Exception as exc:  # vLLM raises several kinds here
         message = str(exc)
-    gc.collect()
+    settle()
     return message

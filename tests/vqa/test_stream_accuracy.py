@@ -3,11 +3,10 @@ same tokens, and bounded held video under a policy."""
 
 from __future__ import annotations
 
-import gc
-
 import numpy as np
 import pytest
 
+from cords_vllm.integration.inprocess.heap import settle
 from cords_vllm.lab.bench.accuracy import EngineShape, blank_needles
 from cords_vllm.lab.bench.stream_accuracy import plan_stream, run_stream_policy, run_streams, stream_engine_args
 from cords_vllm.lab.vqa import make_split, shipped_checkpoint
@@ -66,7 +65,7 @@ def test_full_kv_stream_answers_equal_one_shot_requests_over_the_same_tokens(pla
     assert [s.answer for s in streams] == [p.example.answer for p in plans]
     assert snapshot(llm).free_blocks == free  # every answered stream was ended and returned its blocks
     del llm
-    gc.collect()
+    settle()
 
 
 def test_streams_under_cords_hold_at_most_the_budget_when_answering(plans):

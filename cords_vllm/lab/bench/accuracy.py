@@ -15,7 +15,6 @@ knowledge no ``--kv-policy`` selector has, so it runs in the HF reference
 from __future__ import annotations
 
 import dataclasses
-import gc
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -107,6 +106,7 @@ def run_policy(checkpoint: str | Path, examples: Sequence[VQAExample], spec: Pol
     """
     from vllm import SamplingParams
 
+    from cords_vllm.integration.inprocess.heap import settle
     from cords_vllm.integration.inprocess.introspect import answering_requests, observe_steps, requests_of
     from cords_vllm.lab.vqa.serving import candidate_tokens
 
@@ -124,7 +124,7 @@ def run_policy(checkpoint: str | Path, examples: Sequence[VQAExample], spec: Pol
     outputs = llm.generate([e.vllm_request(inputs, fps=shape.fps) for e in examples],
                            SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
     del llm
-    gc.collect()
+    settle()
     return [o.outputs[0].text for o in outputs], float(np.mean(held_at_answer)) if held_at_answer else float("nan")
 
 

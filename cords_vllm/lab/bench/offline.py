@@ -7,7 +7,6 @@ engine's own scheduler and block pool after each step's allocation.
 
 from __future__ import annotations
 
-import gc
 import json
 import time
 from collections.abc import Callable
@@ -142,6 +141,7 @@ def run_offline(model_dir: str | Path, spec: PolicySpec, workload: VideoWorkload
     """Run ``workload`` through a fresh in-process engine with policy ``spec``."""
     from vllm import SamplingParams
 
+    from cords_vllm.integration.inprocess.heap import settle
     from cords_vllm.integration.inprocess.introspect import record_steps, snapshot
     from cords_vllm.integration.inprocess.llm import make_llm
 
@@ -190,7 +190,7 @@ def run_offline(model_dir: str | Path, spec: PolicySpec, workload: VideoWorkload
         answers=answers,
     )
     del llm, engine
-    gc.collect()
+    settle()
     return result
 
 

@@ -11,7 +11,6 @@ bounded footprint, so the stream runs far past the pool with flat blocks.
 
 from __future__ import annotations
 
-import gc
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -56,6 +55,7 @@ def run_session(model_dir: str | Path, spec: PolicySpec, *, pushes: int, clip_fr
                 pool_blocks: int, block_size: int, max_model_len: int,
                 on_push: Callable[[PushRecord], None] | None = None) -> SessionRun:
     """Push ``pushes`` clips into one session under ``spec`` (stops early when the engine ends the stream)."""
+    from cords_vllm.integration.inprocess.heap import settle
     from cords_vllm.integration.inprocess.introspect import snapshot
     from cords_vllm.integration.inprocess.llm import make_llm
     from cords_vllm.integration.inprocess.session import EngineSession, SessionClosed
@@ -100,7 +100,7 @@ def run_session(model_dir: str | Path, spec: PolicySpec, *, pushes: int, clip_fr
         session.close()
     finally:
         del session, llm
-        gc.collect()
+        settle()
     return run
 
 

@@ -22,7 +22,6 @@ to the pool) and the next one starts in its place.
 
 from __future__ import annotations
 
-import gc
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -180,12 +179,14 @@ def stream_engine_args(checkpoint: str | Path, plans: Sequence[StreamPlan], shap
 def run_stream_policy(checkpoint: str | Path, plans: Sequence[StreamPlan], spec: PolicySpec | str,
                       budget: int | None, shape: EngineShape) -> list[StreamResult]:
     """Every stream of ``plans`` under ``spec`` at ``budget`` (slack 0, as the one-shot cells), on a fresh engine."""
+    from cords_vllm.integration.inprocess.heap import settle
+
     llm = cell_llm(stream_engine_args(checkpoint, plans, shape), spec, budget)
     try:
         return run_streams(llm, plans, shape.batch)
     finally:
         del llm
-        gc.collect()
+        settle()
 
 
 def evaluate_streams(checkpoint: str | Path, plans: Sequence[StreamPlan], policies: Sequence[PolicySpec | str],

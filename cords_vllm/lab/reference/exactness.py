@@ -132,11 +132,11 @@ def compressed_engine_vs_reference(model_dir: str, *, frames: int = 48, budget: 
     reference keeps the layers above whole).
     """
     os.environ.setdefault("CORDS_VLLM_TRACE", "1")
-    import gc
 
     from vllm import SamplingParams
 
     from cords_vllm.config import kv_policy_args
+    from cords_vllm.integration.inprocess.heap import settle
     from cords_vllm.integration.inprocess.introspect import snapshot
     from cords_vllm.integration.inprocess.llm import make_llm
     from cords_vllm.lab.bench.workload import PROMPT, QUESTION
@@ -157,7 +157,7 @@ def compressed_engine_vs_reference(model_dir: str, *, frames: int = 48, budget: 
     logprobs = [{t: lp.logprob for t, lp in step.items()} for step in out.outputs[0].logprobs]
     prompt_len = len(out.prompt_token_ids)
     del llm, out
-    gc.collect()
+    settle()
 
     reference = HFQwen2VLReference(model_dir)
     evictions = evictions_of(events, num_layers=len(reference.attention_layers))
