@@ -14,13 +14,23 @@ engine, needs none of this.
 
 from __future__ import annotations
 
+import atexit
+import functools
 import gc
 
 
 def settle() -> None:
-    """Collect everything unreachable, then freeze what remains (``gc.freeze``)."""
+    """Collect everything unreachable, then freeze what remains (``gc.freeze``), and thaw the heap at exit."""
+    _thaw_at_exit()
     gc.collect()
     gc.freeze()
+
+
+@functools.cache
+def _thaw_at_exit() -> None:
+    """Unfreeze the heap when the process exits, so that its final collection finalizes what was frozen as usual
+    (native bindings such as Triton's otherwise report their frozen objects as leaked)."""
+    atexit.register(gc.unfreeze)
 
 
 def settle_if_thawed() -> None:
