@@ -16,7 +16,6 @@ import torch
 
 from cords_vllm.config import KVPolicyConfigError
 from cords_vllm.integration import plans
-from cords_vllm.integration.inprocess.heap import settle
 from cords_vllm.integration.startup.checks import EXPERIMENTAL_HYBRID_ENV, check_attention
 from cords_vllm.lab.synthetic import TinyModelSpec, build_tiny_model
 from tests.engine.conftest import VIDEO_PROMPT, assert_exact_with_control, run_engine, video
@@ -70,7 +69,6 @@ def hybrid_run(hybrid_model):
         mp.setattr(plans, "spare_freed_blocks", recording)
         run = run_engine(hybrid_model, [_prompt()], "cords", max_tokens=4, engine_kwargs=BF16, budget=256, slack=64)
     run.spared = spared
-    settle()
     return run
 
 
