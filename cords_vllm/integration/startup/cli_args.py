@@ -186,8 +186,22 @@ def make_from_cli_args(original: Callable) -> Callable:
                 getattr(args, "kv_policy_config", None))
         except KVPolicyConfigError as exc:
             raise SystemExit(f"error: --kv-policy / --kv-policy-config: {exc}") from None
+        carry_to_spawned_api_servers(args, engine_args.additional_config)
         return engine_args
     return from_cli_args
+
+
+def carry_to_spawned_api_servers(args: argparse.Namespace, additional_config: dict[str, Any] | None) -> None:
+    """Write the folded ``additional_config`` back into the parsed arguments.
+
+    With several API servers (``--api-server-count N``, and ``--data-parallel-size N``, which defaults to N of
+    them) vLLM 0.32 spawns each from the parsed ``Namespace``, and each builds its own ``EngineArgs`` with
+    ``from_cli_args`` *before* anything in that process has loaded the plugin: vLLM's original method runs there,
+    and only the ``additional_config`` it copies from the namespace can carry the policy. Without this, every
+    spawned API server saw ``--kv-policy none`` and sized streams uncompressed. Folding again is idempotent.
+    """
+    if additional_config:
+        args.additional_config = dict(additional_config)
 
 
 def make_create_engine_config(original: Callable) -> Callable:

@@ -79,7 +79,7 @@ class StreamsPlugin:
         names = getattr(args, "served_model_name", None)
         model = names[0] if names else vllm_config.model_config.model
         num_blocks = vllm_config.cache_config.num_gpu_blocks
-        policy = KVPolicyConfig.from_vllm_config(vllm_config)
+        policy = policy_of(vllm_config, args)
         tokenizer = _tokenizer(engine_client)
         encode, facts = _encoder(tokenizer), model_facts_of(vllm_config)
         limits = limits_from_args(args)
@@ -117,6 +117,22 @@ class StreamsPlugin:
                     registry.limits.idle_timeout_s, capacity["stream_footprint_blocks"], capacity["max_streams"],
                     capacity["engine_pool_blocks"], engines, registry.limits.max_streams,
                     f"; admission shared by {count} API servers" if count > 1 else "")
+
+
+def policy_of(vllm_config: Any, args: argparse.Namespace | None) -> KVPolicyConfig:
+    """The policy this API server's engine config carries, which must be the one its flags name.
+
+    Raises ``RuntimeError`` when ``--kv-policy`` names a policy the config lacks (an API server process whose
+    ``EngineArgs`` were built without the plugin's flag folding): sized as uncompressed, its streams would be
+    refused or admitted on another server's terms, so it does not start."""
+    policy = KVPolicyConfig.from_vllm_config(vllm_config)
+    flag = getattr(args, "kv_policy", None)
+    if flag not in (None, "none") and flag != policy.policy:
+        raise RuntimeError(
+            f"cords-vllm: this API server was started with --kv-policy {flag} but its engine config carries "
+            f"kv_policy {policy.policy!r}: the policy did not reach this process, and its streams would be admitted "
+            "and sized under another policy than the engine's")
+    return policy
 
 
 def api_server_place(engine_client: Any) -> tuple[int, int, int]:
