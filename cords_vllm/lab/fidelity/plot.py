@@ -44,7 +44,8 @@ def plot_coverage_cdfs(
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:  # pragma: no cover - depends on the optional extra
-        raise ImportError("plot_coverage_cdfs needs matplotlib (from a checkout of cords-vllm: pip install '.[bench]')") from exc
+        raise ImportError("plot_coverage_cdfs needs matplotlib "
+                          "(from a checkout of cords-vllm: pip install '.[bench]')") from exc
 
     if not curves:
         raise ValueError("curves: nothing to plot")

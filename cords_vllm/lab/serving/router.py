@@ -45,7 +45,8 @@ class VLLMRouter(LoopbackProcess):
     def command(self) -> list[str]:
         exe = router_executable()
         if exe is None:
-            raise FileNotFoundError("no `vllm-router` executable: from a checkout of cords-vllm, pip install '.[router]'")
+            raise FileNotFoundError("no `vllm-router` executable: from a checkout of cords-vllm, "
+                                    "pip install '.[router]'")
         cmd = [exe, "--host", "127.0.0.1", "--port", str(self.port), "--worker-urls", *self.worker_urls,
                "--policy", self.policy, "--prometheus-port", str(free_port()),
                "--worker-startup-check-interval", "1", "--log-level", "info"]
