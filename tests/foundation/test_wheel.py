@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -32,8 +33,12 @@ def _run(cmd: list[str], *, cwd: Path, env: dict[str, str] | None = None, timeou
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
+    source = tmp_path_factory.mktemp("source")  # setuptools builds in the source tree: a copy, not the checkout
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(ROOT / name, source / name)
+    shutil.copytree(ROOT / "cords_vllm", source / "cords_vllm", ignore=shutil.ignore_patterns("__pycache__"))
     _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--disable-pip-version-check",
-          "-q", "-w", str(out), str(ROOT)], cwd=out)
+          "-q", "-w", str(out), str(source)], cwd=out)
     (path,) = out.glob("cords_vllm-*.whl")
     return path
 
