@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cords_vllm.integration import engine_policy
+from cords_vllm.integration.api_server import header_timeout
 from cords_vllm.integration.api_server.outputs import make_apply_streaming_update
 from cords_vllm.integration.api_server.streams.plugin import make_attach_endpoint_plugins
 from cords_vllm.integration.engine_core import hooks as core
@@ -205,6 +206,13 @@ API_SERVER: tuple[Entry, ...] = (
     Call("vllm.multimodal.video_decoders.opencv:OpenCVVideoBackendMixin.get_cv2_video_api", (),
          why="open a pushed clip on the OpenCV backend vLLM's loader uses, to read its frame count and size from its "
              "header before any frame is decoded"),
+    *(Patch(f"uvicorn.protocols.http.{module}.{method}", args, make,
+            why="uvicorn bounds no request's headers in time (a client that trickles them holds its connection for "
+                "as long as it likes): with the stream API on, close a connection whose request headers are not in "
+                "within --kv-stream-header-timeout, answering 408")
+      for module in ("httptools_impl:HttpToolsProtocol", "h11_impl:H11Protocol")
+      for method, args, make in (("connection_made", ("self", "transport"), header_timeout.make_connection_made),
+                                 ("on_response_complete", ("self",), header_timeout.make_on_response_complete))),
     Patch("vllm.v1.engine.output_processor:RequestState.apply_streaming_update", ("self", "update"),
           make_apply_streaming_update,
           why="the output processor appends every turn's prompt to a resumable request's prompt_token_ids, for "

@@ -56,7 +56,9 @@ class EchoEngine:
         return outputs()
 
 
-def make_app(limits: StreamLimits = LIMITS) -> tuple[TestClient, StreamRegistry, EchoEngine]:
+def make_app(limits: StreamLimits = LIMITS, keyed: bool = True) -> tuple[TestClient, StreamRegistry, EchoEngine]:
+    """The routes on an app of their own; ``keyed``: as on a server with API keys (``--api-key``), where streams
+    belong to the key that opened them."""
     engine = EchoEngine()
     app = FastAPI()
     app.include_router(router)
@@ -64,6 +66,7 @@ def make_app(limits: StreamLimits = LIMITS) -> tuple[TestClient, StreamRegistry,
     app.add_middleware(BodyLimits)
     registry = StreamRegistry(engine=engine, limits=limits)
     registry.control_texts = CONTROL
+    registry.keyed = keyed
     setattr(app.state, STATE_KEY, registry)
     return TestClient(app, raise_server_exceptions=True), registry, engine
 
@@ -356,3 +359,106 @@ def test_no_request_body_makes_a_stream_route_fail(route, body, raw, extra):
         assert set(error_of(answer)) == {"message", "type", "param", "code"}
     assert client.get("/v1/streams").status_code == 200
     assert client.get(f"/v1/streams/{sid}").status_code == 200
+
+
+#: Every field of every route's body, and the body itself (``None``).
+ROUTE_FIELDS = {"open": ("fps", "metadata", "kv_policy", None),
+                "frames": ("frames", "video", None),
+                "ask": ("question", "max_tokens", "temperature", "seed", "stream", None)}
+
+
+def nested(depth: int, kind: str) -> str:
+    """JSON text nested ``depth`` deep: arrays, or objects of one key."""
+    if kind == "array":
+        return "[" * depth + "]" * depth
+    return '{"a": ' * depth + "1" + "}" * depth
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(route=st.sampled_from(sorted(ROUTE_FIELDS)), data=st.data(),
+       depth=st.sampled_from([50, 900, 1000, 5000, 100_000]) | st.integers(1, 3000),
+       kind=st.sampled_from(["array", "object"]))
+def test_no_body_nested_deep_makes_a_route_fail(route, data, depth, kind):
+    """A body nested in any field of any route, up to past what the parser recurses, is a 4xx naming a field (the
+    body, once the parser cannot build it), never a 500; the stream is unchanged."""
+    client, registry, engine = make_app()
+    sid = client.post("/v1/streams", json={}).json()["id"]
+    field = data.draw(st.sampled_from(ROUTE_FIELDS[route]))
+    text = nested(depth, kind) if field is None else "{" + json.dumps(field) + ": " + nested(depth, kind) + "}"
+    path = {"open": "/v1/streams", "frames": f"/v1/streams/{sid}/frames", "ask": f"/v1/streams/{sid}/ask"}[route]
+    answer = client.post(path, content=text.encode(), headers={"content-type": "application/json"})
+    assert 400 <= answer.status_code < 500, (route, field, depth, answer.text[:300])
+    assert isinstance(error_of(answer)["param"], str) and error_of(answer)["param"], error_of(answer)
+    if depth >= 5000:  # past the parser: the body is named
+        assert error_of(answer)["param"] == "body", error_of(answer)
+    assert engine.turns == [] and registry.streams[sid].stats.frames == 0
+    assert client.get(f"/v1/streams/{sid}").status_code == 200
+
+
+def test_without_keys_every_stream_has_one_owner_whatever_the_header():
+    """On a server without API keys the ``Authorization`` header is nobody's proof of anything: a stream opened
+    with a made-up token is every client's, and a per-key cap has no keys to count (the server refuses to start
+    with one: ``test_stream_flags_that_cannot_hold_together_are_refused_at_start_up``)."""
+    client, registry, _engine = make_app(replace(LIMITS, max_streams_per_key=0), keyed=False)
+    made_up = {"authorization": "Bearer made-up"}
+    sid = client.post("/v1/streams", json={}, headers=made_up).json()["id"]
+    assert [s["id"] for s in client.get("/v1/streams").json()["data"]] == [sid]
+    assert [s["id"] for s in client.get("/v1/streams", headers={"authorization": "Bearer x"}).json()["data"]] == [sid]
+    assert client.post(f"/v1/streams/{sid}/frames", json=frames_body()).status_code == 200
+    assert client.delete(f"/v1/streams/{sid}", headers={"authorization": "other"}).status_code == 200
+    assert registry.streams == {}
+
+
+@pytest.mark.parametrize(("argv", "env", "refused"), [
+    (["--kv-stream-max-per-key", "2"], {}, True),
+    (["--kv-stream-max-per-key", "2", "--api-key", "k"], {}, False),
+    (["--kv-stream-max-per-key", "2"], {"VLLM_API_KEY": "k"}, False),
+    ([], {}, False),
+    (["--kv-stream-max-push-mb", "64", "--kv-stream-decode-mb", "32"], {}, True),
+    (["--kv-stream-max-push-mb", "64", "--kv-stream-decode-mb", "64"], {}, False),
+])
+def test_stream_flags_that_cannot_hold_together_are_refused_at_start_up(argv, env, refused, monkeypatch):
+    import argparse
+
+    from cords_vllm.integration.startup.cli_args import add_kv_policy_args, stream_flags_problem
+
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    parser = add_kv_policy_args(argparse.ArgumentParser())
+    parser.add_argument("--api-key", nargs="+")
+    problem = stream_flags_problem(parser.parse_args(argv))
+    assert (problem is not None) is refused, problem
+
+
+def test_a_clients_copy_of_the_relay_header_is_taken_off_and_ignored(tmp_path):
+    """With two API servers, a request for the other server's stream is relayed whatever relay header the client
+    sends (a 503 here: the sibling is not running), and a listing still gathers; only the secret marks a relay."""
+    from cords_vllm.integration.api_server.streams.siblings import (
+        FORWARDED_HEADER,
+        FORWARDED_SCOPE_KEY,
+        LINK_KEY,
+        SiblingLink,
+        StreamForwarding,
+    )
+
+    client, _registry, _ = make_app()
+    client.app.add_middleware(StreamForwarding)
+    link = SiblingLink(0, 2, tmp_path)
+    assert SiblingLink(1, 2, tmp_path).secret == link.secret and len(link.secret) == 64
+    setattr(client.app.state, LINK_KEY, link)
+    other = "stream-1-0123456789abcdef"
+    for forged in ("1", "0", "true", "x" * 64):
+        answer = client.get(f"/v1/streams/{other}", headers={FORWARDED_HEADER: forged})
+        assert answer.status_code == 503 and "index 1" in error_of(answer)["message"], answer.text
+    seen: list[dict] = []
+
+    async def app(scope, receive, send):
+        seen.append(scope)
+
+    forwarding = StreamForwarding(app)
+    for value, genuine in ((link.secret, True), ("forged", False)):
+        scope = {"type": "http", "path": "/v1/streams", "headers": [(FORWARDED_HEADER.encode(), value.encode())],
+                 "app": client.app}
+        asyncio.run(forwarding(scope, None, None))
+        assert seen[-1][FORWARDED_SCOPE_KEY] is genuine and seen[-1]["headers"] == []

@@ -31,7 +31,8 @@ KEYS = ("alice-key", "bob-key")
 COMMON = ["--dtype", "float32", "--enforce-eager", "--block-size", "32", "--max-model-len", "2048",
           "--limit-mm-per-prompt", '{"image": 0, "video": 1}', "--kv-cache-memory-bytes", str(48 << 20),
           "--api-key", *KEYS, "--kv-stream-max-body-mb", "2", "--kv-stream-body-timeout", "2",
-          "--kv-stream-max-per-key", "3", "--kv-stream-max-frames", "16", "--kv-stream-max-question-chars", "300"]
+          "--kv-stream-max-per-key", "3", "--kv-stream-max-frames", "16", "--kv-stream-max-question-chars", "300",
+          "--kv-stream-header-timeout", "2"]
 POLICIES = {"cords": ["--kv-policy", "cords", "--kv-policy-config", json.dumps({"budget": 128, "slack": 32})],
             "none": ["--kv-policy", "none"]}
 
@@ -185,4 +186,42 @@ def test_concurrent_pushes_to_one_stream_are_served_in_order(server, alice, othe
         info = stream.refresh()
         assert (info["frames"], info["clips"]) == (16, 4)
         assert isinstance(stream.ask("Which color?", max_tokens=1), str)
+    healthy(server, other)
+
+
+def test_connections_that_trickle_their_headers_are_closed_and_others_are_served(server, alice, other):
+    """Two hundred connections that send a header line every half second: each is answered 408 and closed once
+    its headers are 2 s late (--kv-stream-header-timeout), while a stream pushes and answers throughout."""
+    slow = []
+    for _ in range(200):
+        sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+        sock.sendall(b"GET /v1/streams HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        slow.append(sock)
+    start = time.monotonic()
+    healthy(server, other)  # served while every slow connection is open
+    closed: set[int] = set()
+    while len(closed) < len(slow) and time.monotonic() - start < 20:
+        for i, sock in enumerate(slow):
+            if i in closed:
+                continue
+            try:
+                sock.sendall(b"X-Trickle: 1\r\n")
+            except OSError:
+                closed.add(i)
+                continue
+            sock.settimeout(0.001)
+            try:
+                data = sock.recv(4096)
+            except (TimeoutError, BlockingIOError):
+                continue
+            except OSError:
+                data = b""
+            assert data == b"" or data.startswith(b"HTTP/1.1 408"), data[:100]
+            closed.add(i)
+        time.sleep(0.5)
+    waited = time.monotonic() - start
+    for sock in slow:
+        sock.close()
+    assert len(closed) == len(slow), f"{len(slow) - len(closed)} slow connections still open after {waited:.0f} s"
+    assert waited < 15
     healthy(server, other)

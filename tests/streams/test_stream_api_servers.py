@@ -6,12 +6,15 @@ streams as uncompressed (``kv_policy`` ``none``, a 2,048-block footprint at this
 them all with 429. Checked through both API servers (a stream's id names the server that opened it, and each
 request is a new connection, which the kernel hands to either): the same capacity, each stream's ``kv_policy``
 and ``footprint_blocks`` equal to what one server reports for this configuration, and the same limits (a
-question longer than ``max_text_tokens`` is refused before the engine by both).
+question longer than ``max_text_tokens`` is refused before the engine by both). The relay between the API servers
+takes no orders from clients: a client's copy of its internal header neither stops a request being relayed to the
+stream's owner nor hides the other server's streams from a listing.
 """
 
 from __future__ import annotations
 
 import json
+import urllib.request
 
 import pytest
 
@@ -72,3 +75,34 @@ def test_both_api_servers_admit_and_size_streams_under_the_policy(server):
             stream.ask(too_long, max_tokens=1)
         assert refused.value.status in (409, 413), (index, refused.value)
         stream.close()
+
+
+def test_a_clients_copy_of_the_relay_header_changes_nothing(server):
+    client = StreamClient(server.base_url, timeout=60)
+    streams: dict[int, object] = {}
+    for _ in range(16):
+        stream = client.open()
+        if _origin(stream.id) in streams:
+            stream.close()
+        else:
+            streams[_origin(stream.id)] = stream
+        if len(streams) == 2:
+            break
+    assert len(streams) == 2
+    try:
+        for forged in ("0", "1", "true", "x" * 64):
+            headers = {"x-cords-vllm-forwarded": forged}
+            for _ in range(4):  # each a new connection, to either API server
+                listed = {s["id"] for s in _get(server, "/v1/streams", headers)["data"]}
+                assert {s.id for s in streams.values()} <= listed, (forged, listed)
+                for stream in streams.values():
+                    assert _get(server, f"/v1/streams/{stream.id}", headers)["id"] == stream.id
+    finally:
+        for stream in streams.values():
+            stream.close()
+
+
+def _get(server, path: str, headers: dict[str, str]) -> dict:
+    request = urllib.request.Request(server.base_url + path, headers=headers)
+    with urllib.request.urlopen(request, timeout=60) as answer:
+        return json.loads(answer.read())

@@ -160,14 +160,16 @@ def test_the_cap_on_open_streams_applies_first():
 
 
 def test_frames_may_be_openai_image_parts():
-    from cords_vllm.integration.api_server.streams.api import _decode
-    from cords_vllm.integration.api_server.streams.registry import StreamLimits
+    from cords_vllm.integration.api_server.streams.frames import FrameLimits, decode_push, read_push
 
+    limits = FrameLimits(max_frames=8, max_pixels=0)
     url = frame_data_url(np.full((56, 56, 3), 200, np.uint8), "png")
-    frames = _decode([{"type": "image_url", "image_url": {"url": url}}, url], None, StreamLimits())
+    media = read_push([{"type": "image_url", "image_url": {"url": url}}, url], None, limits)
+    assert (media.count, media.width, media.height, media.decoded_bytes) == (2, 56, 56, 2 * 56 * 56 * 3)
+    frames = decode_push(media)
     assert frames.shape == (2, 56, 56, 3) and int(frames[1, 0, 0, 0]) == 200
     with pytest.raises(FrameError) as err:
-        _decode([url, {"type": "image_url", "image_url": {}}], None, StreamLimits())
+        read_push([url, {"type": "image_url", "image_url": {}}], None, limits)
     assert err.value.field == "frames[1]"
 
 

@@ -26,6 +26,7 @@ import argparse
 import json
 import logging
 import math
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -84,8 +85,18 @@ def add_kv_policy_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                             "it is read.")
     group.add_argument("--kv-stream-body-timeout", type=_positive(float), default=60.0, metavar="SECONDS",
                        help="Seconds a stream request's body may take to arrive (default 60), else 408.")
+    group.add_argument("--kv-stream-header-timeout", type=_positive(float), default=10.0, metavar="SECONDS",
+                       help="Seconds a connection may take to send a request's headers (default 10), else 408 and "
+                            "the connection is closed (the whole API server, while the stream API is on).")
     group.add_argument("--kv-stream-max-decoding", type=_positive(int), default=2, metavar="N",
                        help="Pushes decoded at once on one API server (default 2); later ones wait their turn.")
+    group.add_argument("--kv-stream-max-push-mb", type=_positive(float), default=256.0, metavar="MB",
+                       help="Most decoded frame bytes one push may take (width x height x 3 x frames, read from the "
+                            "headers before decoding; default 256), else 413.")
+    group.add_argument("--kv-stream-decode-mb", type=_positive(float), default=512.0, metavar="MB",
+                       help="Most decoded frame bytes one API server holds at once, over every push being decoded "
+                            "or handed to the engine (default 512; at least --kv-stream-max-push-mb); later pushes "
+                            "wait their turn.")
     group.add_argument("--kv-stream-max-question-chars", type=_positive(int), default=4096, metavar="N",
                        help="Longest question one ask may carry, in characters (default 4096), else 413.")
     group.add_argument("--kv-stream-max-per-key", type=_non_negative(int), default=0, metavar="N",
@@ -187,8 +198,28 @@ def make_from_cli_args(original: Callable) -> Callable:
         except KVPolicyConfigError as exc:
             raise SystemExit(f"error: --kv-policy / --kv-policy-config: {exc}") from None
         carry_to_spawned_api_servers(args, engine_args.additional_config)
+        if (problem := stream_flags_problem(args)) is not None:
+            raise SystemExit(f"error: {problem}")
         return engine_args
     return from_cli_args
+
+
+def stream_flags_problem(args: argparse.Namespace) -> str | None:
+    """Why the ``--kv-stream-*`` flags cannot hold together on this server, or ``None``."""
+    push_mb, decode_mb = getattr(args, "kv_stream_max_push_mb", None), getattr(args, "kv_stream_decode_mb", None)
+    if push_mb is not None and decode_mb is not None and decode_mb < push_mb:
+        return (f"--kv-stream-decode-mb ({decode_mb:g}) is less than --kv-stream-max-push-mb ({push_mb:g}): "
+                "a push of the largest size allowed could never be decoded")
+    if getattr(args, "kv_stream_max_per_key", 0) and not api_keys(args):
+        return ("--kv-stream-max-per-key caps the streams of each API key, and this server has none (--api-key or "
+                "VLLM_API_KEY): without keys every stream has one owner; cap the streams with --kv-stream-max-open")
+    return None
+
+
+def api_keys(args: argparse.Namespace | None) -> list[str]:
+    """The API keys the server authenticates clients with: ``--api-key``, else ``VLLM_API_KEY`` (vLLM's rule)."""
+    keys = list(getattr(args, "api_key", None) or []) or [os.environ.get("VLLM_API_KEY", "")]
+    return [key for key in keys if key]
 
 
 def carry_to_spawned_api_servers(args: argparse.Namespace, additional_config: dict[str, Any] | None) -> None:

@@ -37,20 +37,16 @@ from starlette.requests import ClientDisconnect
 
 from cords_vllm.conversation.text_budget import TextRoomExceeded
 from cords_vllm.integration.api_server.streams.frames import (
-    IMAGE_TYPES,
-    VIDEO_TYPES,
     FrameError,
     FrameLimits,
-    check_frame_size,
-    decode_clip,
-    decode_image,
-    parse_data_url,
-    stack_frames,
+    PushMedia,
+    decode_push,
+    read_push,
     vllm_max_image_pixels,
 )
 from cords_vllm.integration.api_server.streams.live import LiveStream, StreamEnded, TurnTooLong
 from cords_vllm.integration.api_server.streams.registry import StreamNotFound, StreamRegistry, TooManyStreams
-from cords_vllm.integration.api_server.streams.siblings import FORWARDED_HEADER, LINK_KEY, SiblingLink
+from cords_vllm.integration.api_server.streams.siblings import LINK_KEY, SiblingLink, is_forwarded
 from cords_vllm.integration.published import HeldKV, read_published
 
 logger = logging.getLogger(__name__)
@@ -72,6 +68,8 @@ class StreamRoute(APIRoute):
                 return validation_error(exc).response()
             except HTTPException as exc:  # FastAPI's own refusal of a body it cannot parse (e.g. not UTF-8)
                 return APIError(exc.status_code, _safe(str(exc.detail), 300), "body").response()
+            except RecursionError:  # JSON nested deeper than the parser (or the validation) recurses
+                return APIError(400, "the body is nested too deep to be parsed", "body").response()
 
         return route
 
@@ -230,9 +228,11 @@ def _registry(request: Request) -> StreamRegistry:
 
 def owner_key(request: Request) -> str | None:
     """The API key a request carries (``Authorization: Bearer <key>``), hashed: the owner of the streams it opens.
-    ``None`` without one."""
+    ``None`` without one, and on a server without keys, whatever the request carries: every stream has one owner
+    there (vLLM checks no key, so a header would be any client's free choice)."""
+    registry = getattr(request.app.state, STATE_KEY, None)
     auth = request.headers.get("authorization")
-    if not auth:
+    if not auth or registry is None or not registry.keyed:
         return None
     token = auth[7:] if auth[:7].lower() == "bearer " else auth
     return hashlib.sha256(token.strip().encode("utf-8", "surrogateescape")).hexdigest()
@@ -370,7 +370,7 @@ async def list_streams(request: Request) -> Any:
     held = read_published().streams
     data: list[Any] = _described(registry, registry.owned_by(owner_key(request)), held)
     link: SiblingLink | None = getattr(request.app.state, LINK_KEY, None)
-    if link is not None and FORWARDED_HEADER not in request.headers:  # every API server's streams
+    if link is not None and not is_forwarded(request.scope):  # every API server's streams
         data.extend(StreamObject.model_validate(item) for item in await link.gather(list(request.headers.items())))
     return StreamList(data=data, capacity=Capacity(**registry.capacity()))
 
@@ -404,11 +404,17 @@ async def append_frames(request: Request, stream_id: str) -> Any:
     registry = _registry(request)
     stream = _stream(request, stream_id)
     t0 = time.perf_counter()
-    frames = await _read_frames(request, registry)
-    if stream.ended:
-        raise APIError(410, f"stream {stream_id!r} has ended: {stream.ended}", "stream_id")
+    media = await _read_push(request, registry, stream)
     try:
-        sent = await stream.append(frames)
+        async with registry.decode_budget.reserve(media.decoded_bytes):  # until the engine has the clip
+            async with registry.decoding:  # pushes decoded at once on this API server are bounded
+                frames = await asyncio.to_thread(decode_push, media, _max_pixels(registry.limits.max_frame_pixels))
+            if stream.ended:
+                raise APIError(410, f"stream {stream_id!r} has ended: {stream.ended}", "stream_id")
+            sent = await stream.append(frames)
+            del frames
+    except FrameError as exc:
+        raise APIError(exc.status, str(exc), exc.field) from None
     except StreamEnded as exc:
         raise APIError(410, f"stream {stream_id!r} has ended: {exc}", "stream_id") from None
     except TextRoomExceeded as exc:
@@ -416,24 +422,37 @@ async def append_frames(request: Request, stream_id: str) -> Any:
                             f"frames after this answer: open a new stream", "stream_id") from None
     except TurnTooLong as exc:
         raise APIError(413, f"stream {stream_id!r}: {exc}. Nothing was appended; the stream is unchanged",
-                       "frames") from None
-    return AppendFramesResponse(stream=describe(registry, stream), frames_received=len(frames), frames_sent=sent,
+                       media.field) from None
+    return AppendFramesResponse(stream=describe(registry, stream), frames_received=media.count, frames_sent=sent,
                                 seconds=round(time.perf_counter() - t0, 4))
 
 
-async def _read_frames(request: Request, registry: StreamRegistry) -> Any:
-    """The request's frames as ``[T, H, W, 3]`` uint8, decoded in a worker thread."""
+async def _read_push(request: Request, registry: StreamRegistry, stream: LiveStream) -> PushMedia:
+    """The request's push read from its headers, with every rule that needs no decoded frame checked."""
     try:
-        return await _decode_body(request, registry)
+        items, clip = await _body_media(request, registry.limits)
+        limits = registry.limits
+        frame_limits = FrameLimits(limits.max_frames_per_push, _max_pixels(limits.max_frame_pixels))
+        media = await asyncio.to_thread(read_push, items, clip, frame_limits, limits.min_frame_side)
+        registry.push_bounds.check(media, held=stream.held_frames(media.width, media.height))
+        return media
+    except FrameError as exc:
+        raise APIError(exc.status, str(exc), exc.field) from None
     except ClientDisconnect:  # the client vanished mid-upload: nothing was appended, nobody to answer
         raise APIError(400, "the client disconnected before its frames arrived", "body") from None
 
 
-async def _decode_body(request: Request, registry: StreamRegistry) -> Any:
+async def _body_media(request: Request, limits: Any) -> tuple[list[Any], Any]:
+    """``(frames, video)`` of a push body: JSON (data URLs) or multipart (uploaded files)."""
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    limits = registry.limits
     if content_type == "multipart/form-data":
-        form = await request.form()
+        try:  # a file past the frame limit is not even spooled
+            form = await request.form(max_files=limits.max_frames_per_push + 1, max_fields=8)
+        except HTTPException as exc:
+            if "Too many files" in str(exc.detail):
+                raise APIError(413, f"more than {limits.max_frames_per_push} files in one push "
+                                    "(--kv-stream-max-frames)", "frames") from None
+            raise
         files = form.getlist("frames")
         video = form.get("video")
         if unknown := sorted(set(form.keys()) - {"frames", "video"}):
@@ -451,6 +470,8 @@ async def _decode_body(request: Request, registry: StreamRegistry) -> Any:
             body = AppendFramesRequest.model_validate(await request.json())
         except json.JSONDecodeError:
             raise APIError(400, "the body is not valid JSON", "body") from None
+        except RecursionError:
+            raise APIError(400, "the body is nested too deep to be parsed", "body") from None
         except ValueError as exc:
             field = _safe(_first_loc(exc))
             raise APIError(400, _safe(f"invalid field {field!r}: {exc}".splitlines()[0], 300), field) from None
@@ -464,51 +485,13 @@ async def _decode_body(request: Request, registry: StreamRegistry) -> Any:
     if len(items) > limits.max_frames_per_push:
         raise APIError(413, f"{len(items)} frames in one push; at most {limits.max_frames_per_push} "
                             f"(--kv-stream-max-frames)", "frames")
-    try:
-        async with registry.decoding:  # pushes decoded at once on this API server are bounded
-            return await asyncio.to_thread(_decode, items, clip, limits)
-    except FrameError as exc:
-        raise APIError(exc.status, str(exc), exc.field) from None
+    return items, clip
 
 
 def _max_pixels(stream_limit: int) -> int:
     """The tighter of the stream's frame-size limit and vLLM's ``VLLM_MAX_IMAGE_PIXELS`` (0: no limit)."""
     vllm_limit = vllm_max_image_pixels()
     return min(stream_limit, vllm_limit) if vllm_limit > 0 else stream_limit
-
-
-def _decode(items: list[Any], clip: Any, limits: Any) -> Any:
-    """The push's frames, ``[T, H, W, 3]``, each limit checked before the work it bounds."""
-    frame_limits = FrameLimits(limits.max_frames_per_push, _max_pixels(limits.max_frame_pixels))
-    if items:
-        images = []
-        for i, item in enumerate(items):
-            if isinstance(item, tuple):  # an uploaded file: (bytes, field)
-                images.append(decode_image(item[0], item[1], frame_limits.max_pixels))
-            else:
-                _, data = parse_data_url(_image_url(item), f"frames[{i}]", IMAGE_TYPES)
-                images.append(decode_image(data, f"frames[{i}]", frame_limits.max_pixels))
-        frames = stack_frames(images, "frames")
-        field = "frames"
-    else:
-        if isinstance(clip, tuple):
-            media_type = clip[1] if clip[1] in VIDEO_TYPES else "video/mp4"
-            frames = decode_clip(media_type, clip[0], "video", frame_limits)
-        else:
-            media_type, data = parse_data_url(clip, "video", VIDEO_TYPES)
-            frames = decode_clip(media_type, data, "video", frame_limits)
-        field = "video"
-    # the frame count was checked before decoding (the list's length, or by decode_clip)
-    check_frame_size(frames, field, min_side=limits.min_frame_side, max_pixels=limits.max_frame_pixels)
-    return frames
-
-
-def _image_url(item: str | dict[str, Any]) -> Any:
-    """The URL of a frame given as a string or as an OpenAI ``image_url`` content part."""
-    if isinstance(item, dict):
-        part = item.get("image_url", item)
-        return part.get("url") if isinstance(part, dict) else part
-    return item
 
 
 def _first_loc(exc: Exception) -> str:

@@ -3,10 +3,15 @@
 Synchronous (the API runs it in a worker thread). Every failure is a :class:`FrameError` that names the offending
 field (``frames[3]``, ``video``) and its status, so the API answers a 4xx saying which input was wrong.
 
-Every limit is checked before the work it bounds: an image's size is read from its header before it is decoded
-(vLLM's own rule, ``VLLM_MAX_IMAGE_PIXELS``, and the stream's frame-size limit), and a clip's frame count and
-frame size before any frame is decoded (a ``video/jpeg`` clip's parts are counted; a container's header is read
-through vLLM's own OpenCV capture, and no more frames than it declares are decoded).
+A push is read in two stages, so that every limit is checked before the work it bounds:
+
+1. :func:`read_push` reads what the push holds from its headers alone, decoding no frame: the frame count (the
+   list's length, a ``video/jpeg`` clip's parts, a container's header read through vLLM's own OpenCV capture), each
+   image's size from its header (vLLM's ``VLLM_MAX_IMAGE_PIXELS`` and the stream's frame-size limit), one size for
+   the whole push, and the smallest side. The :class:`PushMedia` it returns says how many decoded bytes the push
+   will take, and the model's and the engine's rules are checked on it (:mod:`.push_bounds`).
+2. :func:`decode_push` decodes the frames into one array allocated once (``[T, H, W, 3]``, no stacked copy),
+   and no more frames than the headers declared.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import binascii
 import io
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -188,3 +194,138 @@ def check_frame_size(frames: np.ndarray, field: str, *, min_side: int, max_pixel
     if min(height, width) < min_side:
         raise FrameError(field, f"frames are {width}x{height}; each side must be at least {min_side} pixels")
     _check_pixels(width, height, field, max_pixels)
+
+
+# ------------------------------------------------------------------------------------------------------
+# A push, read from its headers, then decoded
+
+
+@dataclass(frozen=True)
+class PushMedia:
+    """What one push holds, read from its headers before any frame is decoded.
+
+    ``field`` is the request field (``frames`` or ``video``); every frame is ``width`` x ``height``. ``images``
+    holds each image's bytes and field (``frames`` and ``video/jpeg`` clips), ``clip`` a container clip's media
+    type and bytes.
+    """
+
+    field: str
+    count: int
+    width: int
+    height: int
+    images: tuple[tuple[bytes, str], ...] = ()
+    clip: tuple[str, bytes] | None = None
+
+    @property
+    def decoded_bytes(self) -> int:
+        """The bytes the decoded frames take (``[T, H, W, 3]`` uint8)."""
+        return self.count * self.width * self.height * 3
+
+
+def image_size(data: bytes, field: str, max_pixels: int = 0) -> tuple[int, int]:
+    """``(width, height)`` of a JPEG/PNG image, read from its header alone; ``max_pixels`` checked (413)."""
+    import warnings
+
+    from PIL import Image, UnidentifiedImageError
+
+    if not data:
+        raise FrameError(field, "the image is empty")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # the size is checked below
+            with Image.open(io.BytesIO(data)) as image:
+                if image.format not in ("JPEG", "PNG"):
+                    raise FrameError(field, f"image format {image.format} is not supported; send JPEG or PNG")
+                width, height = image.size
+    except Image.DecompressionBombError:
+        raise FrameError(field, "the image declares more pixels than PIL decodes (a decompression bomb)", 413) from None
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
+        if isinstance(exc, FrameError):
+            raise
+        raise FrameError(field, "cannot be decoded as a JPEG or PNG image") from None
+    _check_pixels(width, height, field, max_pixels)
+    return width, height
+
+
+def read_push(items: Sequence[Any], clip: Any, limits: FrameLimits, min_side: int = 1) -> PushMedia:
+    """Read a push from its headers: ``items`` (uploaded ``(bytes, field)`` pairs, or data URLs / OpenAI
+    ``image_url`` parts) or one ``clip`` (an uploaded ``(bytes, media type)`` pair, or a data URL).
+
+    Checked, in order, each before the work it bounds: the frame count (413), each frame's pixels (413, naming the
+    frame), one size for every frame (400, naming the first that differs), the smallest side (400). No frame is
+    decoded.
+    """
+    if items:
+        _check_count(len(items), "frames", limits.max_frames)
+        images = []
+        for i, item in enumerate(items):
+            if isinstance(item, tuple):  # an uploaded file: (bytes, field)
+                images.append(item)
+            else:
+                _, data = parse_data_url(image_url(item), f"frames[{i}]", IMAGE_TYPES)
+                images.append((data, f"frames[{i}]"))
+        return _image_push("frames", images, limits, min_side)
+    if isinstance(clip, tuple):
+        data, media_type = clip
+        media_type = media_type if media_type in VIDEO_TYPES else "video/mp4"
+    else:
+        media_type, data = parse_data_url(clip, "video", VIDEO_TYPES)
+    if media_type == "video/jpeg":
+        _check_count(data.count(b",") + 1, "video", limits.max_frames)
+        parts = data.decode().split(",")
+        return _image_push("video", [(_b64decode(p, f"video[{i}]"), f"video[{i}]") for i, p in enumerate(parts)],
+                           limits, min_side)
+    count, width, height = clip_header(data, media_type, "video")
+    _check_count(count, "video", limits.max_frames)
+    _check_pixels(width, height, "video", limits.max_pixels)
+    _check_side(width, height, "video", min_side)
+    return PushMedia("video", count, width, height, clip=(media_type, data))
+
+
+def _image_push(field: str, images: list[tuple[bytes, str]], limits: FrameLimits, min_side: int) -> PushMedia:
+    width = height = 0
+    for i, (data, name) in enumerate(images):
+        size = image_size(data, name, limits.max_pixels)
+        if i == 0:
+            width, height = size
+        elif size != (width, height):
+            raise FrameError(name, f"frame size {size[0]}x{size[1]} differs from the first frame's {width}x{height}; "
+                                   "one push has one size")
+    if not images:
+        raise FrameError(field, "no frames were sent")
+    _check_side(width, height, field, min_side)
+    return PushMedia(field, len(images), width, height, images=tuple(images))
+
+
+def _check_side(width: int, height: int, field: str, min_side: int) -> None:
+    if min(width, height) < min_side:
+        raise FrameError(field, f"frames are {width}x{height}; each side must be at least {min_side} pixels")
+
+
+def decode_push(media: PushMedia, max_pixels: int = 0) -> np.ndarray:
+    """The push's frames, ``[T, H, W, 3]`` uint8, decoded into one array allocated once; a frame whose decoded size
+    is not its header's is refused (400)."""
+    if media.clip is not None:
+        media_type, data = media.clip
+        frames = decode_clip(media_type, data, media.field, FrameLimits(media.count, max_pixels))
+        if frames.shape[1:3] != (media.height, media.width):
+            raise FrameError(media.field, f"decoded frames are {frames.shape[2]}x{frames.shape[1]}, the header "
+                                          f"declared {media.width}x{media.height}")
+        return frames
+    out = np.empty((media.count, media.height, media.width, 3), np.uint8)
+    for i, (data, field) in enumerate(media.images):
+        frame = decode_image(data, field, max_pixels)
+        if frame.shape != out.shape[1:]:
+            raise FrameError(field, f"decoded as {frame.shape[1]}x{frame.shape[0]}, its header declared "
+                                    f"{media.width}x{media.height}")
+        out[i] = frame
+        del frame
+    return out
+
+
+def image_url(item: str | dict[str, Any]) -> Any:
+    """The URL of a frame given as a string or as an OpenAI ``image_url`` content part."""
+    if isinstance(item, dict):
+        part = item.get("image_url", item)
+        return part.get("url") if isinstance(part, dict) else part
+    return item

@@ -25,7 +25,8 @@ from cords_vllm.conversation.text_budget import TextBudget, TextRoomExceeded
 from cords_vllm.conversation.transcript import CHATML, Markup, Transcript
 from cords_vllm.integration.published import PUBLISH_INTERVAL_S, read_published
 
-#: Frames per temporal patch of the Qwen-VL video encoders: a clip holds an even number of frames.
+#: Frames per temporal patch of the Qwen-VL video encoders (the default; the server passes its model's): a clip
+#: holds whole patches.
 TEMPORAL_PATCH = 2
 
 
@@ -135,6 +136,9 @@ class LiveStream:
         turn longer than that on its own is refused (:class:`TurnTooLong`) before the engine sees it, which would
         otherwise end the stream.
         ``None``: no check.
+    max_clip_tokens:
+        The most video tokens of one clip the engine takes (its encoder cache; :mod:`.push_bounds`): a clip with
+        more is refused (:class:`TurnTooLong`) before the engine, which would end the stream. ``None``: no check.
     engine_index:
         The data-parallel engine holding the stream's KV (every turn is sent there); ``None``: the only one.
     markup:
@@ -145,7 +149,8 @@ class LiveStream:
                  metadata: dict[str, Any] | None = None, text: TextBudget | None = None,
                  count_text: Callable[[str], int] | None = None,
                  turn_tokens: Callable[[str, np.ndarray | None, dict[str, Any] | None], tuple[int, int]] | None = None,
-                 max_model_len: int | None = None, fps: float | None = None,
+                 max_model_len: int | None = None, max_clip_tokens: int | None = None, fps: float | None = None,
+                 temporal_patch: int = TEMPORAL_PATCH,
                  engine_index: int | None = None, markup: Markup | None = None) -> None:
         self.engine = engine
         self.engine_index = engine_index
@@ -161,6 +166,8 @@ class LiveStream:
         self.count_text = count_text
         self.turn_tokens = turn_tokens
         self.max_model_len = max_model_len
+        self.max_clip_tokens = max_clip_tokens
+        self.temporal_patch = temporal_patch
         self.ended: str | None = None
         #: The most KV blocks the stream can hold (set by the registry when it admits the stream).
         self.footprint_blocks = 0
@@ -256,6 +263,10 @@ class LiveStream:
             prompt = build(transcript)
             if self.turn_tokens is not None and self.max_model_len is not None:
                 tokens, video = self.turn_tokens(prompt["prompt"], clip, clip_metadata)
+                if self.max_clip_tokens is not None and video > self.max_clip_tokens:
+                    raise TurnTooLong(f"{what} makes one clip of {video} video tokens; the engine takes at most "
+                                      f"{self.max_clip_tokens} in one clip (its encoder cache): push fewer or "
+                                      "smaller frames")
                 if tokens > self.max_model_len:
                     raise TurnTooLong(
                         f"{what} is {tokens} tokens on its own, longer than --max-model-len ({self.max_model_len})"
@@ -282,18 +293,29 @@ class LiveStream:
         async with self._order:
             return await self._append(frames)
 
+    def _whole_patch(self, pending: np.ndarray) -> np.ndarray:
+        """Held-back frames completed to one temporal patch by repeating the last (shown before a question, or
+        before a push of another size)."""
+        short = self.temporal_patch - len(pending)
+        return np.concatenate([pending, *[pending[-1:]] * short]) if short > 0 else pending
+
+    def held_frames(self, width: int, height: int) -> int:
+        """Frames held back from the last push that would lead a next clip of ``width x height`` frames."""
+        pending = self.pending_frames
+        return len(pending) if pending is not None and pending.shape[1:3] == (height, width) else 0
+
     async def _append(self, frames: np.ndarray) -> int:
         received, pending = len(frames), self.pending_frames
         if pending is not None:
             if pending.shape[1:] == frames.shape[1:]:
                 frames = np.concatenate([pending, frames])
             else:  # a new frame size: the held-back frame completes its own clip
-                await self._append_clip(np.concatenate([pending, pending]))
+                await self._append_clip(self._whole_patch(pending))
                 pending = None
             self.pending_frames = None
-        whole = len(frames) - len(frames) % TEMPORAL_PATCH
+        whole = len(frames) - len(frames) % self.temporal_patch
         if whole < len(frames):
-            self.pending_frames = frames[whole:]
+            self.pending_frames = frames[whole:].copy()  # not a view that would keep the whole push alive
         if whole:
             try:
                 await self._append_clip(frames[:whole])
@@ -322,7 +344,7 @@ class LiveStream:
         if self.pending_frames is not None:  # a held-back odd frame is shown before the question
             pending, self.pending_frames = self.pending_frames, None
             try:
-                await self._append_clip(np.concatenate([pending, pending]))
+                await self._append_clip(self._whole_patch(pending))
             except (TextRoomExceeded, TurnTooLong):
                 self.pending_frames = pending
                 raise

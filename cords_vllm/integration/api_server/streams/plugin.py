@@ -18,19 +18,24 @@ from typing import Any
 
 from cords_vllm.config import KVPolicyConfig
 from cords_vllm.conversation.text_budget import protected_token_counter
+from cords_vllm.integration.api_server.header_timeout import set_header_timeout
 from cords_vllm.integration.api_server.streams.api import STATE_KEY, APIError, router
 from cords_vllm.integration.api_server.streams.body import BodyLimits
 from cords_vllm.integration.api_server.streams.ledger import PoolLedger
+from cords_vllm.integration.api_server.streams.push_bounds import PushBounds
 from cords_vllm.integration.api_server.streams.registry import StreamLimits, StreamRegistry
 from cords_vllm.integration.api_server.streams.siblings import LINK_KEY, SiblingLink, StreamForwarding
-from cords_vllm.integration.api_server.streams.turn_tokens import turn_counter
+from cords_vllm.integration.api_server.streams.turn_tokens import engine_clip_tokens, turn_counter, video_token_counter
 from cords_vllm.integration.engine_facts import model_facts_of
 from cords_vllm.integration.published import metrics_dir
+from cords_vllm.integration.startup.cli_args import api_keys
 from cords_vllm.model_facts import ModelFacts
 
 logger = logging.getLogger(__name__)
 
 PLUGIN_NAME = "cords_vllm_streams"
+#: Seconds a connection may take to send a request's headers (``--kv-stream-header-timeout``).
+HEADER_TIMEOUT_S = 10.0
 
 
 def streams_enabled(args: argparse.Namespace | None) -> bool:
@@ -47,7 +52,14 @@ def limits_from_args(args: argparse.Namespace) -> StreamLimits:
     defaults = StreamLimits()
     body_mb = getattr(args, "kv_stream_max_body_mb", None)
     per_key = getattr(args, "kv_stream_max_per_key", None)
+    push_mb, decode_mb = getattr(args, "kv_stream_max_push_mb", None), getattr(args, "kv_stream_decode_mb", None)
+    push_bytes = int(push_mb * (1 << 20)) if push_mb else defaults.max_push_bytes
+    decoded_bytes = int(decode_mb * (1 << 20)) if decode_mb else defaults.max_decoded_bytes
+    if decoded_bytes < push_bytes:
+        raise ValueError(f"--kv-stream-decode-mb ({decoded_bytes / (1 << 20):g}) must be at least "
+                         f"--kv-stream-max-push-mb ({push_bytes / (1 << 20):g}): one push could never be decoded")
     return StreamLimits(
+        max_push_bytes=push_bytes, max_decoded_bytes=decoded_bytes,
         idle_timeout_s=getattr(args, "kv_stream_idle_timeout", None) or defaults.idle_timeout_s,
         max_streams=getattr(args, "kv_stream_max_open", None) or defaults.max_streams,
         max_frames_per_push=getattr(args, "kv_stream_max_frames", None) or defaults.max_frames_per_push,
@@ -94,7 +106,13 @@ class StreamsPlugin:
                                   count_text=_text_counter(encode, facts),
                                   turn_tokens=turn_counter(encode, facts, vllm_config, tokenizer),
                                   ledger=ledger)
+        registry.push_bounds = PushBounds(
+            limits.max_push_bytes, max_clip_tokens=engine_clip_tokens(engine_client, registry.max_model_len),
+            video_tokens=video_token_counter(vllm_config) if "video" in facts.placeholder_token_ids else None,
+            temporal_patch=facts.temporal_patch_size or 2)
         registry.unsupported, registry.markup = facts.streams_unsupported, facts.chat_markup
+        registry.keyed = bool(api_keys(args))
+        set_header_timeout(getattr(args, "kv_stream_header_timeout", None) or HEADER_TIMEOUT_S)
         if policy.enabled and policy.compressed_layers is not None and registry.unsupported is None:
             layers = vllm_config.model_config.get_total_num_hidden_layers()
             if policy.layer_selective(layers):

@@ -22,8 +22,10 @@ from typing import Any
 from cords_vllm.config import REQUEST_OVERRIDES_KEY, KVPolicyConfig, KVPolicyConfigError
 from cords_vllm.conversation.text_budget import TextBudget
 from cords_vllm.conversation.transcript import Markup
+from cords_vllm.integration.api_server.streams.decode_budget import DecodeBudget
 from cords_vllm.integration.api_server.streams.ledger import PoolLedger, TooManyStreams
 from cords_vllm.integration.api_server.streams.live import LiveStream
+from cords_vllm.integration.api_server.streams.push_bounds import PushBounds
 from cords_vllm.integration.api_server.streams.turn_tokens import TurnCounter
 from cords_vllm.utils import cdiv
 
@@ -68,6 +70,10 @@ class StreamLimits:
     body_timeout_s: float = 60.0
     #: Pushes decoded at once on this API server; later ones wait their turn (``--kv-stream-max-decoding``).
     max_decoding: int = 2
+    #: Most decoded frame bytes one push may take, read from its headers (``--kv-stream-max-push-mb``).
+    max_push_bytes: int = 256 << 20
+    #: Most decoded frame bytes this API server holds at once over the pushes in flight (``--kv-stream-decode-mb``).
+    max_decoded_bytes: int = 512 << 20
     #: Longest question, in characters (``--kv-stream-max-question-chars``).
     max_question_chars: int = 4096
     #: Most streams one API key may hold open; ``0``: no per-key limit (``--kv-stream-max-per-key``).
@@ -124,6 +130,9 @@ class StreamRegistry:
         self.unsupported: str | None = None
         #: The chat markup of the served model's family, every stream's turns are written in (``None``: ChatML).
         self.markup: Markup | None = None
+        #: Whether the server authenticates clients (``--api-key`` / ``VLLM_API_KEY``): streams then belong to the
+        #: key that opened them; without keys every stream has one owner.
+        self.keyed = False
         self.policy = policy or KVPolicyConfig()
         self.model_name = model_name
         self.block_size = block_size
@@ -142,6 +151,11 @@ class StreamRegistry:
         #: The served tokenizer's control tokens as text (special and added tokens): a question holding one is
         #: refused, so a client's text never becomes a control or placeholder token of the transcript.
         self.control_texts: tuple[str, ...] = ()
+        #: What one push may carry at its frame size: decoded bytes, the processor's rules, the engine's clip bound
+        #: (the API server sets the last two from its model and engine).
+        self.push_bounds = PushBounds(limits.max_push_bytes)
+        #: Decoded frame bytes held at once over the pushes in flight on this API server.
+        self.decode_budget = DecodeBudget(limits.max_decoded_bytes)
         self._reaper: asyncio.Task | None = None
         self._decoding: asyncio.Semaphore | None = None
 
@@ -214,6 +228,8 @@ class StreamRegistry:
         stream = LiveStream(self.engine, sid, extra_args={REQUEST_OVERRIDES_KEY: overrides} if overrides else None,
                             text=TextBudget(limit), count_text=self.count_text if limit is not None else None,
                             turn_tokens=self.turn_tokens, max_model_len=self.max_model_len,
+                            max_clip_tokens=self.push_bounds.max_clip_tokens,
+                            temporal_patch=self.push_bounds.temporal_patch,
                             engine_index=engine if self.ledger.engines > 1 else None, markup=self.markup, **kwargs)
         stream.footprint_blocks = footprint
         stream.owner = owner

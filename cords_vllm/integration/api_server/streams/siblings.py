@@ -13,13 +13,20 @@ middleware, relays a request for another API server's stream there unchanged (me
 API key, body) and streams the answer back as it comes, server-sent events included; the forwarded request
 carries :data:`FORWARDED_HEADER`, so it is never relayed twice. ``GET /v1/streams`` gathers every API server's
 streams (:meth:`SiblingLink.gather`).
+
+The header's value is a secret drawn once per server start (:func:`relay_secret`, a file in the shared directory,
+which only the server's user can read): only the server's own processes can mark a request as relayed. A client's
+copy of the header is taken off the request and has no effect.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
+import os
+import secrets
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,8 +35,11 @@ from cords_vllm.integration.api_server.streams.registry import owner_of
 
 logger = logging.getLogger(__name__)
 
-#: Set on a relayed request (the sender's index): the receiver answers it itself.
+#: Set on a relayed request (the server's relay secret): the receiver answers it itself.
 FORWARDED_HEADER = "x-cords-vllm-forwarded"
+#: The ASGI scope key that marks a request relayed by a sibling (the header checked and taken off).
+FORWARDED_SCOPE_KEY = "cords_vllm_forwarded"
+SECRET_FILE = "stream-relay-secret"
 #: ``app.state`` attribute holding this API server's :class:`SiblingLink` (absent: one API server).
 LINK_KEY = "cords_vllm_stream_siblings"
 PREFIX = "/v1/streams"
@@ -48,6 +58,7 @@ class SiblingLink:
         if not 0 <= index < count:
             raise ValueError(f"API server index {index} is outside 0..{count - 1}")
         self.index, self.count, self.directory = index, count, directory
+        self.secret = relay_secret(directory)
         self._server: Any = None
         self._task: asyncio.Task | None = None
         self._clients: dict[int, Any] = {}
@@ -116,7 +127,7 @@ class SiblingLink:
                 break
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope.get("headers", ())
                    if k.decode("latin-1").lower() not in _HOP_BY_HOP]
-        headers.append((FORWARDED_HEADER, str(self.index)))
+        headers = [(k, v) for k, v in headers if k.lower() != FORWARDED_HEADER] + [(FORWARDED_HEADER, self.secret)]
         target = scope.get("raw_path", scope["path"].encode()).decode("latin-1")
         if scope.get("query_string"):
             target += "?" + scope["query_string"].decode("latin-1")
@@ -142,7 +153,8 @@ class SiblingLink:
         """Every sibling's own streams (``GET /v1/streams`` answered locally there), as JSON objects."""
         import httpx
 
-        sent = [(k, v) for k, v in headers if k.lower() not in _HOP_BY_HOP] + [(FORWARDED_HEADER, str(self.index))]
+        sent = [(k, v) for k, v in headers if k.lower() not in (*_HOP_BY_HOP, FORWARDED_HEADER)]
+        sent.append((FORWARDED_HEADER, self.secret))
 
         async def one(index: int) -> list[dict[str, Any]]:
             try:
@@ -163,9 +175,10 @@ class StreamForwarding:
         self.app = app
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(PREFIX + "/"):
+        if scope["type"] == "http" and (scope["path"] == PREFIX or scope["path"].startswith(PREFIX + "/")):
             link: SiblingLink | None = getattr(getattr(scope.get("app"), "state", None), LINK_KEY, None)
-            if link is not None and not _forwarded(scope):
+            scope = _take_forwarded_mark(scope, link)
+            if link is not None and not is_forwarded(scope) and scope["path"] != PREFIX:
                 owner = owner_of(scope["path"][len(PREFIX) + 1:].split("/", 1)[0])
                 if owner is not None and owner != link.index and owner < link.count:
                     await link.relay(owner, scope, receive, send)
@@ -173,9 +186,35 @@ class StreamForwarding:
         await self.app(scope, receive, send)
 
 
-def _forwarded(scope: dict[str, Any]) -> bool:
+def relay_secret(directory: Path) -> str:
+    """The relay secret of this server start, shared by its API servers through ``directory`` (the first to ask
+    draws it; the file appears whole, by a hard link, or not at all)."""
+    path = directory / SECRET_FILE
+    if not path.exists():
+        draft = directory / f".{SECRET_FILE}-{os.getpid()}"
+        fd = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(secrets.token_hex(32))
+        with contextlib.suppress(FileExistsError):
+            os.link(draft, path)
+        draft.unlink()
+    return path.read_text()
+
+
+def is_forwarded(scope: dict[str, Any]) -> bool:
+    """Whether a sibling relayed this request (marked by :class:`StreamForwarding`)."""
+    return bool(scope.get(FORWARDED_SCOPE_KEY))
+
+
+def _take_forwarded_mark(scope: dict[str, Any], link: SiblingLink | None) -> dict[str, Any]:
+    """``scope`` without :data:`FORWARDED_HEADER`, marked as relayed when the header held this server's secret."""
     key = FORWARDED_HEADER.encode()
-    return any(k.lower() == key for k, _ in scope.get("headers", ()))
+    marks = [v for k, v in scope.get("headers", ()) if k.lower() == key]
+    if not marks:
+        return scope
+    genuine = link is not None and len(marks) == 1 and hmac.compare_digest(marks[0], link.secret.encode())
+    headers = [(k, v) for k, v in scope["headers"] if k.lower() != key]
+    return {**scope, "headers": headers, FORWARDED_SCOPE_KEY: genuine}
 
 
 async def _send_error(send: Any, status: int, message: str) -> None:

@@ -60,6 +60,36 @@ def turn_counter(encode: Callable[[str], list[int]] | None, facts: ModelFacts, v
     return turn_tokens
 
 
+def video_token_counter(vllm_config: Any) -> Callable[[int, int, int], int] | None:
+    """``(width, height, frames) -> video tokens`` of one clip of the served model (its processing info's
+    ``get_num_video_tokens``, which applies the processor's resize and raises ``ValueError`` for a frame shape it
+    refuses), or ``None`` for a model without one."""
+    from vllm.multimodal import MULTIMODAL_REGISTRY
+
+    try:
+        info = MULTIMODAL_REGISTRY.create_processor(vllm_config.model_config).info
+        count_video, image_processor = info.get_num_video_tokens, info.get_image_processor()
+    except Exception as exc:  # a model without a video token count
+        logger.warning("cords-vllm: cannot count a clip's video tokens (%s: %s): a push's frame shape and size are "
+                       "checked by the engine, which ends the stream on a refusal", type(exc).__name__, exc)
+        return None
+
+    def video_tokens(width: int, height: int, frames: int) -> int:
+        return int(count_video(image_width=width, image_height=height, num_frames=frames,
+                               image_processor=image_processor, mm_kwargs={}))
+    return video_tokens
+
+
+def engine_clip_tokens(engine_client: Any, max_model_len: int) -> int | None:
+    """The most video tokens one clip may hold in the engine: vLLM's encoder cache size (what its input processor
+    checks every multimodal item against; the encoder's per-step compute budget is the same number under vLLM's
+    defaults), and at most ``max_model_len``. ``None`` when the engine client does not say."""
+    size = getattr(getattr(engine_client, "input_processor", None), "mm_encoder_cache_size", None)
+    if not isinstance(size, int) or size <= 0:
+        return None
+    return min(size, max_model_len)
+
+
 def _frame_text_counter(processor: Any, info: Any, tokenizer: Any) -> Callable[[dict[str, Any]], int] | None:
     """``clip metadata -> text tokens written between a clip's frames`` for a model that writes each frame's time
     as text (Qwen3-VL: its processor has ``get_video_repl``); ``None`` for one that writes none."""
