@@ -88,7 +88,7 @@ def test_the_cpu_build_gets_its_fixes(probes):
             "vllm.v1.worker.cpu_worker:CPUWorker.compile_or_warm_up_model"} <= set(got["installed"])
 
 
-#: The vLLM modules the table may resolve, per platform: reviewed. A module here is imported by the plugin only
+#: The modules the table may resolve, per platform: reviewed. A module here is imported by the plugin only
 #: after vLLM itself imported it in that process (the post-import hooks); a CPU-build module must never be listed
 #: for CUDA.
 REVIEWED_MODULES = {
@@ -101,6 +101,8 @@ REVIEWED_MODULES = {
         "vllm.v1.engine.async_llm", "vllm.v1.engine.core_client", "vllm.v1.engine.input_processor",
         "vllm.v1.engine.llm_engine", "vllm.v1.engine.output_processor", "vllm.v1.worker.gpu_model_runner",
         "vllm.v1.worker.gpu_worker", "vllm.v1.worker.utils",
+        # the API server's HTTP protocols (uvicorn, which vLLM serves with): the header deadline
+        "uvicorn.protocols.http.h11_impl", "uvicorn.protocols.http.httptools_impl",
     },
     "cpu": {"vllm._custom_ops", "vllm.config.multimodal", "vllm.model_executor.models.interfaces",
             "vllm.v1.worker.cpu_model_runner", "vllm.v1.worker.cpu_worker"},
