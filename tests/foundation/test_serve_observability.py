@@ -52,9 +52,12 @@ def test_two_api_servers_log_at_debug_and_report_the_same_counters(tiny_model):
 
     assert scrapes == scrapes[:1] * len(scrapes)
 
-    startup = [line for line in log.splitlines() if "cords-vllm: --kv-policy cords" in line]
-    assert len(startup) == 1, startup
-    assert " INFO " in startup[0]
+    lines = [line for line in log.splitlines() if "cords-vllm: --kv-policy cords" in line]
+    startup = [line for line in lines if " INFO " in line]
+    assert len(startup) == 1, lines  # once, by the process that starts the engine
+    # each API server built its config under the same policy, and says so at debug level
+    assert sorted(re.match(r"\((\w+) ", line).group(1) for line in lines if " DEBUG " in line) == [
+        "ApiServer_0", "ApiServer_1"], lines
     for setting in ('"budget": 256', '"recent": 64', '"slack": 64', '"granularity": "auto"', '"min_units": 32',
                     '"anchors": [0]', '"alpha": 0.25', "prefix caching only for the requests the policy never"):
         assert setting in startup[0], (setting, startup[0])

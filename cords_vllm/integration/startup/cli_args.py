@@ -178,8 +178,17 @@ def checked_engine_config(engine_args: Any, create: Callable[..., Any], *args: A
             changes.append("prefix caching only for the requests the policy never compresses (text, videos within "
                            "budget + slack; the others neither read nor fill it: their blocks are rewritten in "
                            "place)")
-        logger.info("%s", startup_line(policy, changes))
+        # once per server: the process that starts the engine logs it, not each of several API servers it spawns
+        level = logging.INFO if _starts_the_engine(engine_args) else logging.DEBUG
+        logger.log(level, "%s", startup_line(policy, changes))
     return vllm_config
+
+
+def _starts_the_engine(engine_args: Any) -> bool:
+    """Whether this ``create_engine_config`` is the one of the process that starts the engine: not one of several
+    API servers (vLLM gives them a rank ``0..N-1`` of ``N``; the process that spawned them has rank ``-1``)."""
+    count = getattr(engine_args, "_api_process_count", 1) or 1
+    return count <= 1 or getattr(engine_args, "_api_process_rank", 0) < 0
 
 
 def make_add_cli_args(original: Callable) -> Callable:
