@@ -78,6 +78,7 @@ from dataclasses import dataclass
 import torch
 
 from cords_vllm.compress import copy_triton
+from cords_vllm.compress.gram_budget import problem_chunks
 from cords_vllm.compress.kv_access import KVAccessor, PagedAccessor
 from cords_vllm.compress.kv_codec import Fp8Codec, KVCodec, PlainCodec
 from cords_vllm.compress.late_read import LateRead
@@ -721,12 +722,19 @@ class GreedyOnRows:
 
 
 def _greedy(rows: _UnitRows, width: int, k_max: int, params: GreedyParams) -> torch.Tensor:
+    """The greedy run on ``rows``, in consecutive groups of problems whose Gram matrices stay under the step's
+    limit (:mod:`cords_vllm.compress.gram_budget`; one group, one launch sequence, when they fit)."""
     if k_max == 0:
         return torch.empty((rows.k.shape[0], 1), dtype=torch.long, device=rows.k.device)  # never read
     if params.space == "normalized":  # one more launch: every problem's units scaled, their norms made again
         _normalize(rows.feats, rows.norms, rows.valid, rows.feats.shape[1], width, interpreting())
-    kn, vn, seed = rows.norms.unbind(0)
-    return greedy_from_units(rows.feats, width, kn, vn, seed, rows.valid, rows.k, k_max, params)
+    chunks = problem_chunks(rows.k.shape[0], rows.feats.shape[1])
+    orders = []
+    for start, stop in chunks:
+        kn, vn, seed = rows.norms[:, start:stop].unbind(0)
+        orders.append(greedy_from_units(rows.feats[start:stop], width, kn, vn, seed, rows.valid[start:stop],
+                                        rows.k[start:stop], k_max, params))
+    return orders[0] if len(orders) == 1 else torch.cat(orders)
 
 
 def _gathered_rows(local: _UnitRows, gather, heads: int, head_size: int, interp: bool, norms: bool = True

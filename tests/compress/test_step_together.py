@@ -202,3 +202,51 @@ def test_fused_frame_compressions_together_sized_by_label_runs_read_nothing_back
     assert counters[0].launches == 4 * len(batches) + 4, counters[0].launch_names
     assert counters[0].syncs == []
     assert len(counters[1].syncs) == frames and all("late_read.py" in s for s in counters[1].syncs), counters[1].syncs
+
+
+def test_a_steps_greedy_run_is_split_to_keep_its_gram_matrices_under_the_limit(monkeypatch):
+    """With the step's Gram limit below what its problems need together, the shared greedy run goes in groups of
+    problems, each group's two Gram matrices under the limit (every allocation of the run watched), and every
+    compression keeps the PyTorch path's tokens and writes its caches, as in one run."""
+    from cords_vllm.compress import copy_triton, gram_budget, step_triton
+    from cords_vllm.selection import cords_triton
+
+    if not copy_triton.interpreting():
+        pytest.skip("the kernels run under TRITON_INTERPRET=1 on CPU")
+    batches = _batches()
+    ref_caches, ref_held = _alone(SelectionSetup(get_selector("cords"), "auto", False, (0, 0, 2, 2),
+                                                 kernels="torch"), batches)
+    setup = SelectionSetup(get_selector("cords"), "auto", False, (0, 0, 2, 2), kernels="triton")
+    caches = _caches()
+    accessors = [PagedAccessor.of(caches[0], D)] * LAYERS
+    runs: list[tuple[int, int]] = []  # (problems, units) of each greedy launch
+    original = cords_triton.greedy_from_units
+
+    def watched(feats, *args, **kwargs):
+        runs.append((feats.shape[0], feats.shape[1]))
+        return original(feats, *args, **kwargs)
+
+    monkeypatch.setattr(step_triton, "greedy_from_units", watched)
+    limit = gram_budget.gram_bytes(64) * 3  # three problems of 64 units at a time
+    monkeypatch.setattr(gram_budget, "_limit", [limit])
+    held = compress_regions(caches, accessors, [RegionCompression([None] * LAYERS, b) for b in batches], setup)
+    assert len(runs) >= 2, runs  # split
+    assert all(p * gram_budget.gram_bytes(m) <= limit or p == 1 for p, m in runs), runs
+    for got, ref in zip(held, ref_held, strict=True):
+        for layer in range(LAYERS):
+            assert torch.equal(got[layer].ids, ref[layer].ids)
+    assert all(torch.equal(a, b) for a, b in zip(caches, ref_caches, strict=True))
+
+
+@pytest.mark.parametrize(("problems", "units", "limit", "chunks"), [
+    (16, 7744, 4 << 30, 2),  # sixteen token-unit compressions of a 7B model: 7.7 GB in one run, 3.8 GB a group
+    (4, 64, 1 << 30, 1), (5, 64, 2 * 2 * 4 * 64 * 64, 3), (3, 100, 1, 3), (0, 64, 1 << 30, 1),
+])
+def test_problem_chunks_cover_every_problem_once_under_the_limit(problems, units, limit, chunks):
+    from cords_vllm.compress.gram_budget import gram_bytes, problem_chunks
+
+    got = problem_chunks(problems, units, limit)
+    assert len(got) == chunks
+    covered = [p for start, stop in got for p in range(start, stop)]
+    assert covered == list(range(problems))
+    assert all((stop - start) * gram_bytes(units) <= limit or stop - start == 1 for start, stop in got)

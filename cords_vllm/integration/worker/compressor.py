@@ -46,6 +46,7 @@ import torch
 
 from cords_vllm.compress.attention_view import RowHoles
 from cords_vllm.compress.frames import frame_sizes, label_runs, layout_labels
+from cords_vllm.compress.gram_budget import limit_from_free_memory, set_step_gram_limit
 from cords_vllm.compress.kv_access import KVAccessor, slots_of
 from cords_vllm.compress.kv_codec import KVCodec, check_kv_cache_dtype
 from cords_vllm.compress.plan import NULL_BLOCK_ID, CompressionPlan, RebasePlan
@@ -257,6 +258,11 @@ class WorkerCompressor:
         with kernels_in_force(self.setup.kernels):
             if not use_triton(self.device):
                 return
+        if self.device.type == "cuda":  # the KV cache is allocated: what vLLM leaves free bounds a step's Gram matrices
+            free, _ = torch.cuda.mem_get_info(self.device)
+            limit = set_step_gram_limit(limit_from_free_memory(free))
+            logger.info("cords-vllm: a step's shared greedy run holds at most %.2f GiB of Gram matrices (half of "
+                        "the %.2f GiB left free)", limit / (1 << 30), free / (1 << 30))
         if not self.config.warmup:
             logger.info("cords-vllm: kernel warm-up off (kv_policy_config 'warmup'): each width compiles at its "
                         "first compression")
