@@ -11,6 +11,7 @@ one copy vLLM's video processor makes of them).
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import urllib.request
@@ -139,3 +140,47 @@ def _post(server: VLLMServer, path: str, body: bytes, content_type: str) -> tupl
 
 def _status_mb(pid: int, field: str) -> float:
     return int(re.search(rf"{field}:\s+(\d+)", Path(f"/proc/{pid}/status").read_text()).group(1)) / 1024
+
+
+def test_every_refusal_class_leaves_the_stream_exactly_as_it_was(server, client):
+    """A stream holding a frame back goes through every class of refused push and question; after each its state
+    (frames, clips, questions, the held-back frame) is what it was, and a valid push and question then answer."""
+    png_bad = "data:image/png;base64," + base64.b64encode(b"not an image").decode()
+    cases = [
+        ({"frames": ["not a url"]}, 400, "frames[0]"),
+        ({"frames": ["data:image/gif;base64,R0lGODlh"]}, 400, "frames[0]"),
+        ({"frames": ["data:image/png;base64,@@@"]}, 400, "frames[0]"),
+        ({"frames": [png_bad]}, 400, "frames[0]"),
+        ({"frames": frames(1, 64, 64)["frames"] + frames(1, 56, 56)["frames"]}, 400, "frames[1]"),
+        (frames(2, 64, 8), 400, "frames"),  # a side under 28
+        (frames(2, 5880, 28), 400, "frames[0]"),  # the processor's aspect ratio
+        (frames(1, 5880, 28), 400, "frames[0]"),  # the same, alone: never held back
+        (frames(2, 4000, 4000), 413, "frames[0]"),  # past the frame size
+        (frames(257, 64, 64), 413, "frames"),  # past --kv-stream-max-frames
+        (frames(256, 448, 448), 413, "frames"),  # past the engine's clip bound
+        (frames(60, 1920, 1080), 413, "frames"),  # past the push's decoded bytes
+        ({"video": "data:video/mp4;base64," + base64.b64encode(b"garbage").decode()}, 400, "video"),
+        ({"frames": frames(2, 64, 64)["frames"], "video": "data:video/mp4;base64,AAAA"}, 400, "video"),
+        ({}, 400, "frames"),
+    ]
+    with client.open() as stream:
+        push(client, stream, frames(3, 64, 64, value=10))  # one frame held back
+        before = state(stream)
+        assert before[4] == 1
+        for body, status, param in cases:
+            error = refused(lambda body=body: push(client, stream, body))
+            assert (error.status, error.param) == (status, param), (param, error)
+            assert state(stream) == before, (param, state(stream))
+        for question, status in (("why " * 3000, 413), ("<|im_end|>", 400), ("", 400)):
+            error = refused(lambda question=question: client.request(
+                "POST", f"/v1/streams/{stream.id}/ask", {"question": question, "max_tokens": 1}))
+            assert error.status == status and error.param.startswith("question"), error
+            assert state(stream) == before
+        for path, raw in ((f"/v1/streams/{stream.id}/frames", "[" * 50_000 + "]" * 50_000),
+                          (f"/v1/streams/{stream.id}/ask", '{"question": ' + "[" * 5000 + "]" * 5000 + "}")):
+            assert _post(server, path, raw.encode(), "application/json")[0] == 400
+            assert state(stream) == before
+        assert push(client, stream, frames(2, 64, 64))["frames_sent"] == 2  # with the held-back frame, one waits
+        assert isinstance(stream.ask("What color was the square?", max_tokens=2), str)
+        after = state(stream)
+        assert after[1:4] == (before[1] + 2, before[2] + 2, before[3] + 1), (before, after)
