@@ -82,9 +82,10 @@ from cords_vllm.compress.gram_budget import problem_chunks
 from cords_vllm.compress.kv_access import KVAccessor, PagedAccessor
 from cords_vllm.compress.kv_codec import Fp8Codec, KVCodec, PlainCodec
 from cords_vllm.compress.late_read import LateRead
+from cords_vllm.compress.region import HeldTokens
 from cords_vllm.kernel_backend import interpreting, launch
-from cords_vllm.selection.cords import GreedyParams
 from cords_vllm.selection.cords_triton import GRAM_LIMIT_BYTES, MAX_UNITS, UNIT_ROWS, greedy_from_units
+from cords_vllm.selection.greedy_params import GreedyParams
 from cords_vllm.selection.together import SelectionSteps
 from cords_vllm.utils import cdiv
 
@@ -806,8 +807,6 @@ def compress_region_fused_steps(caches: Sequence[torch.Tensor], held: Sequence, 
     Returns ``None``, before anything is written (the caller then runs the PyTorch path): the region exceeds
     :data:`MAX_ROWS` or the problem the greedy kernel's limits, or a layer holds other tokens than its anchor (held
     tokens not shared the way this step and the reference return them). The caller checks :func:`covers` first."""
-    from cords_vllm.compress.step import HeldTokens  # the step imports this module lazily
-
     anchors = setup.anchors
     if any(held[layer] is not held[setup.anchor_of[layer]] for layer in range(len(caches))):
         return _handed_back("a layer holds other tokens than its anchor")  # only the reference gathers per layer

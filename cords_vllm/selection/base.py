@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -50,14 +50,12 @@ from cords_vllm.selection.batch import (
     compute_dtype,
 )
 from cords_vllm.selection.granularity import units_to_mask
+from cords_vllm.selection.greedy_params import GreedyParams
 from cords_vllm.selection.observation import Observation, observed_attention
 from cords_vllm.selection.params import ParamSpec, check_params, hyperparameter, param_specs_of
 from cords_vllm.selection.result import SelectionResult, kept_candidate_count
 from cords_vllm.selection.together import SelectionSteps, UnitsToOrder, driven_alone
 from cords_vllm.selection.validation import check_group_index, check_select_inputs
-
-if TYPE_CHECKING:
-    from cords_vllm.selection.cords import GreedyParams
 
 __all__ = [
     "GRANULARITIES",

@@ -54,6 +54,7 @@ import torch
 from cords_vllm.kernel_backend import use_triton
 from cords_vllm.selection.base import Selector
 from cords_vllm.selection.batch import UnitBatch
+from cords_vllm.selection.greedy_params import GreedyParams, snap_tolerance
 from cords_vllm.selection.params import hyperparameter
 from cords_vllm.selection.ranking import mask_order
 from cords_vllm.selection.registry import register_selector
@@ -68,26 +69,6 @@ SPACES: tuple[str, ...] = ("paper", "normalized")
 #: token and block granularity alike: ``max_cosine`` is the default CoRDS step, ``d2`` the step without a bonus
 #: (k_only, v_only, ``lam = 0``). A budget enforced by ``tests/compress/test_host_syncs.py``.
 OPS_PER_GREEDY_STEP: dict[str, int] = {"max_cosine": 30, "d2": 22}
-
-
-@dataclass(frozen=True)
-class GreedyParams:
-    """The greedy D^2 run's constants, for a policy the kernels run as it is (see
-    :meth:`~cords_vllm.selection.base.Selector.greedy_params`): either novelty of :data:`NOVELTY_VARIANTS` (or none,
-    ``lam = 0``), in either space of :data:`SPACES` (``"normalized"``: the units' features are scaled by
-    :func:`normalized_features`'s rule before the run)."""
-
-    alpha: float
-    eta: float
-    lam: float
-    eps0: float
-    novelty: str = "max_cosine"
-    space: str = "paper"
-
-
-def snap_tolerance(dtype: torch.dtype) -> float:
-    """Relative tolerance below which distances, residuals and novelties count as exactly zero."""
-    return 1e-12 if dtype == torch.float64 else 1e-4
 
 
 def _first_near_max(score: torch.Tensor, out_of_pool: torch.Tensor, slack: torch.Tensor | float) -> torch.Tensor:
@@ -593,7 +574,7 @@ def cords_greedy(
     if k_max == 0:
         return torch.full((feats.shape[0], 0), -1, dtype=torch.long, device=feats.device)
     if use_triton(feats.device):
-        from cords_vllm.selection.cords_triton import cords_greedy_triton
+        from cords_vllm.selection.cords_triton import cords_greedy_triton  # Triton is imported where kernels run
 
         order = cords_greedy_triton(feats, key_dim, valid, k, k_max, alpha=alpha, eta=eta, lam=lam, eps0=eps0,
                                     novelty=novelty)

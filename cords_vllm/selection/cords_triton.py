@@ -59,7 +59,7 @@ from dataclasses import dataclass
 import torch
 
 from cords_vllm.kernel_backend import interpreting, launch
-from cords_vllm.selection.cords import GreedyParams, snap_tolerance
+from cords_vllm.selection.greedy_params import GreedyParams, snap_tolerance
 
 logger = logging.getLogger(__name__)
 

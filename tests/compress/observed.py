@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import torch
 
-from cords_vllm.compress.step import ObservedQueries, RegionBatch, SelectionSetup
+from cords_vllm.compress.region import ObservedQueries, RegionBatch, SelectionSetup
 
 #: Query rows and query heads per KV head of the test observations.
 ROWS, GROUP = 4, 2

@@ -134,7 +134,7 @@ def make_max_memory_usage(original: Callable) -> Callable:
         groups = [g for g in kv_cache_groups if not getattr(g, "host_resident", False)]
         if not groups:
             return 0
-        from cords_vllm.integration.engine_facts import whole_group_indices
+        from cords_vllm.integration.kv_groups import whole_group_indices
 
         max_len = vllm_config.model_config.max_model_len
         whole = set(whole_group_indices([g.kv_cache_spec for g in groups]))  # layer-selective: need max-model-len

@@ -18,7 +18,7 @@ from typing import Any
 from cords_vllm.integration.engine_core.requests import external_request_id
 from cords_vllm.integration.engine_core.scheduler import SchedulerCompressor
 from cords_vllm.integration.engine_core.tracker import non_null_blocks
-from cords_vllm.integration.engine_facts import attention_manager
+from cords_vllm.integration.kv_groups import attention_manager
 from cords_vllm.integration.published import HeldKV, Publisher
 
 #: ``callback(scheduler, scheduler_output)`` after every ``Scheduler.schedule``.

@@ -47,12 +47,8 @@ from cords_vllm.config import KVPolicyConfig, KVPolicyConfigError
 from cords_vllm.integration.engine_core.rebase import remove_range
 from cords_vllm.integration.engine_core.requests import positions_after
 from cords_vllm.integration.engine_core.tracker import RequestCompression, RequestTracker, non_null_blocks
-from cords_vllm.integration.engine_facts import (
-    attention_manager,
-    check_layer_groups,
-    model_facts_of,
-    whole_group_indices,
-)
+from cords_vllm.integration.engine_facts import model_facts_of
+from cords_vllm.integration.kv_groups import attention_manager, check_layer_groups, whole_group_indices
 from cords_vllm.integration.plans import attach_plans
 from cords_vllm.integration.published import Publisher
 from cords_vllm.utils import cdiv

@@ -24,7 +24,8 @@ from cords_vllm.config import KVPolicyConfig
 from cords_vllm.integration.engine_core.hooks import observe_steps as subscribe
 from cords_vllm.integration.engine_core.hooks import scheduler_hooks
 from cords_vllm.integration.engine_core.tracker import RequestCompression, RequestTracker
-from cords_vllm.integration.engine_facts import attention_manager, model_facts_of
+from cords_vllm.integration.engine_facts import model_facts_of
+from cords_vllm.integration.kv_groups import attention_manager
 from cords_vllm.integration.worker.compressor import CompressionEvent, WorkerSnapshot
 from cords_vllm.integration.worker.hooks import attached_compressor
 

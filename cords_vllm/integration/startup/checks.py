@@ -209,7 +209,7 @@ def check_attention(policy: str, model: str, sliding_window: int | None, attenti
     :data:`EXPERIMENTAL_HYBRID_ENV` is set.
 
     A hybrid model (Qwen3.5: Gated DeltaNet layers with fixed-size state beside full attention) runs compressed:
-    only its attention group is compressed (:func:`~cords_vllm.integration.engine_facts.attention_group_index`),
+    only its attention group is compressed (:func:`~cords_vllm.integration.kv_groups.attention_group_index`),
     its state groups are left alone, blocks come back, and on vLLM 0.32's CPU build its outputs equal the HF
     reference that drops the same tokens as closely as its uncompressed outputs do. No GPU has run it yet, where
     vLLM may also split a hybrid's large attention blocks into smaller kernel blocks: there it stays behind the

@@ -63,12 +63,8 @@ from cords_vllm.compress.transfer import upload
 from cords_vllm.compress.unit_choice import AUTO, compression_unit
 from cords_vllm.config import KVPolicyConfig
 from cords_vllm.integration import failures
-from cords_vllm.integration.engine_facts import (
-    attention_group_index,
-    check_layer_groups,
-    decoder_layer_index,
-    model_facts_of,
-)
+from cords_vllm.integration.engine_facts import decoder_layer_index, model_facts_of
+from cords_vllm.integration.kv_groups import attention_group_index, check_layer_groups
 from cords_vllm.integration.plans import plans_of
 from cords_vllm.integration.published import PUBLISH_INTERVAL_S, Publisher
 from cords_vllm.integration.worker.cpu_layout import accessor_for_layer, codec_for_layer, kv_cache_dtype_of

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from cords_vllm.compress.step import ObservedQueries
+from cords_vllm.compress.region import ObservedQueries
 from cords_vllm.compress.transfer import upload
 from cords_vllm.integration.candidates import candidate_spans
 from cords_vllm.model_facts import ModelFacts
