@@ -91,14 +91,14 @@ def _copy_kernel(base_ptr, offsets_ptr, rows_ptr, pos_ptr, src_ptr, dst_ptr,
 
 
 @functools.cache
-def _compiled(interpret: bool):
+def compiled(interpret: bool):
     """The copy, jitted on first use, with the arguments of :data:`NOT_SPECIALIZED` left unspecialized."""
     sizes, pointers = NOT_SPECIALIZED
     return triton.jit(_copy_kernel, do_not_specialize=sizes, do_not_specialize_on_alignment=pointers)
 
 
 @functools.cache
-def _device_table(values: tuple[int | float, ...], device: torch.device, dtype: torch.dtype = torch.long
+def device_table(values: tuple[int | float, ...], device: torch.device, dtype: torch.dtype = torch.long
                   ) -> torch.Tensor:
     """Device copy of a small host table (``long`` unless ``dtype`` says otherwise), made once per (table, device,
     dtype): the caches, and so their offsets, live as long as the engine."""
@@ -108,7 +108,7 @@ def _device_table(values: tuple[int | float, ...], device: torch.device, dtype: 
     return host.to(device, non_blocking=True)
 
 
-def _signature(cache: torch.Tensor) -> tuple:
+def cache_signature(cache: torch.Tensor) -> tuple:
     return cache.dtype, tuple(cache.shape), tuple(cache.stride()), cache.device
 
 
@@ -152,7 +152,7 @@ def _layout(caches: Sequence[torch.Tensor]) -> tuple[_Group, ...]:
         return last.groups
     by_signature: dict[tuple, list[int]] = {}
     for layer, cache in enumerate(caches):
-        by_signature.setdefault(_signature(cache), []).append(layer)
+        by_signature.setdefault(cache_signature(cache), []).append(layer)
     groups = []
     for layers in by_signature.values():
         first = caches[layers[0]]
@@ -161,7 +161,7 @@ def _layout(caches: Sequence[torch.Tensor]) -> tuple[_Group, ...]:
         if any(s % size for s in starts):
             raise ValueError("KV caches of one layout must be element-aligned with each other")
         block_c = min(triton.next_power_of_2(channels), max(16, CHUNK_BYTES // size))
-        groups.append(_Group(tuple(layers), _device_table(tuple(s // size for s in starts), first.device), block_c,
+        groups.append(_Group(tuple(layers), device_table(tuple(s // size for s in starts), first.device), block_c,
                              (len(layers) * heads, triton.cdiv(channels, block_c)), alignment(first, starts, block_c)))
     _LAST[:] = [_Layout(tuple(weakref.ref(c) for c in caches), tuple(c.data_ptr() for c in caches), tuple(groups))]
     return tuple(groups)
@@ -188,11 +188,11 @@ def copy_kept(caches: Sequence[torch.Tensor], positions: torch.Tensor, anchor_ro
     if num_keep == 0:
         return
     _, heads, block_size, channels = caches[0].shape
-    kernel = _compiled(interpreting())
+    kernel = compiled(interpreting())
     src_slots, dst_slots = src_slots.contiguous(), dst_slots.contiguous()
     for group in _layout(caches):
         first = caches[group.layers[0]]
-        rows = _device_table(tuple(anchor_row[i] for i in group.layers), first.device)
+        rows = device_table(tuple(anchor_row[i] for i in group.layers), first.device)
         launch("copy", kernel, group.grid, first.view(_RAW[first.element_size()]), group.offsets, rows, positions,
                src_slots, dst_slots, num_keep, heads, channels, *first.stride(), *positions.stride(),
                BLOCK_SIZE=block_size, BLOCK_T=TILE_ROWS, BLOCK_C=group.block_c, ALIGN=group.align, num_warps=WARPS)

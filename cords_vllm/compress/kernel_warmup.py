@@ -233,8 +233,8 @@ def compiled_variants() -> int | None:
     """Kernel variants Triton holds compiled over every kernel a compression launches (its JIT caches), to check
     that nothing compiles after :func:`warm_up`; ``None`` where none compile (the interpreter) or where this Triton
     keeps them elsewhere."""
-    kernels = [step_triton._compiled(False, k) for k in step_triton.NOT_SPECIALIZED]
-    kernels += [cords_triton._compiled(False), copy_triton._compiled(False)]
+    kernels = [step_triton.compiled(False, k) for k in step_triton.NOT_SPECIALIZED]
+    kernels += [cords_triton.compiled(False), copy_triton.compiled(False)]
     if not all(hasattr(k, "device_caches") for k in kernels):
         return None
     return sum(len(cache[0]) for k in kernels for cache in k.device_caches.values())

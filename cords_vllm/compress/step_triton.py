@@ -56,7 +56,7 @@ without a stack. Tokens held in another form (the PyTorch path's) are stacked fi
 The normalized space (``cords`` with ``space="normalized"``) adds one launch, :func:`_normalize_kernel`, which scales
 every problem's units in place before the Gram GEMMs.
 
-Joint selection under tensor parallelism (:func:`_gathered_rows`): each rank makes its own heads' units, one
+Joint selection under tensor parallelism (:func:`gathered_rows`): each rank makes its own heads' units, one
 all-gather of the units' features (``4 * P * M * 2 * H_local * D`` bytes sent, ``M`` units: less than the PyTorch
 path's gather of the region's keys and values, ``T >= M`` tokens) gives every rank all heads' units, and every rank
 runs the same greedy run; four more launches (the units' copy into the rows the greedy run reads, and their norms
@@ -512,7 +512,7 @@ NOT_SPECIALIZED = {
 
 
 @functools.cache
-def _compiled(interpret: bool, kernel: str = "plan"):
+def compiled(interpret: bool, kernel: str = "plan"):
     """Each kernel, jitted on first use (under the interpreter when ``TRITON_INTERPRET=1`` at that time), with the
     arguments of :data:`NOT_SPECIALIZED` left unspecialized."""
     sizes, pointers = NOT_SPECIALIZED[kernel]
@@ -541,7 +541,7 @@ def not_covered(selector, accessors: Sequence[KVAccessor], caches: Sequence[torc
     if fp8 is None or (fp8 == 0 and not (first.dtype.is_floating_point and first.element_size() <= 4)) or (
             fp8 and first.dtype != torch.uint8):
         return f"a KV cache of {first.dtype} the kernels do not decode"
-    if any(copy_triton._signature(caches[a]) != copy_triton._signature(first) for a in anchors):
+    if any(copy_triton.cache_signature(caches[a]) != copy_triton.cache_signature(first) for a in anchors):
         return "the anchor layers' caches differ in layout"
     if any((caches[a].data_ptr() - first.data_ptr()) % first.element_size() for a in anchors):
         return "the anchor layers' caches are not element-aligned with each other"
@@ -578,7 +578,7 @@ def _scales(codecs: Sequence[KVCodec], anchors: Sequence[int], heads: int, devic
     for a in anchors:
         for scale in (codecs[a].k_scale, codecs[a].v_scale):
             if not isinstance(scale, torch.Tensor):
-                scale = copy_triton._device_table((float(scale),), device, torch.float32)
+                scale = copy_triton.device_table((float(scale),), device, torch.float32)
             parts.append(scale.to(torch.float32).reshape(-1).expand(heads))
     return torch.cat(parts)
 
@@ -738,7 +738,7 @@ def _greedy(rows: _UnitRows, width: int, k_max: int, params: GreedyParams) -> to
     return orders[0] if len(orders) == 1 else torch.cat(orders)
 
 
-def _gathered_rows(local: _UnitRows, gather, heads: int, head_size: int, interp: bool, norms: bool = True
+def gathered_rows(local: _UnitRows, gather, heads: int, head_size: int, interp: bool, norms: bool = True
                    ) -> SelectionSteps[tuple[_UnitRows, int]]:
     """This rank's units (``local``: its ``heads`` KV heads) with every rank's heads, in the rows the greedy run reads:
     one all-gather of the units' features (``float32 [P, M, 2 * heads * head_size]``, keys then values, in the
@@ -764,7 +764,7 @@ def _normalize(feats: torch.Tensor, norms: torch.Tensor, valid: torch.Tensor, m_
     """:func:`_normalize_kernel` on ``P`` problems' rows (``feats`` ``[P, M', 2 * width]``, ``norms`` ``[3, P, M']``,
     ``valid`` ``[P, M']``, rows contiguous; the first ``m_units`` units of each)."""
     block_w = max(16, triton.next_power_of_2(width))
-    launch("normalize", _compiled(interp, "normalize"), (feats.shape[0],),
+    launch("normalize", compiled(interp, "normalize"), (feats.shape[0],),
         feats, norms, valid, m_units, width, feats.stride(0), norms.stride(0), norms.stride(1), valid.stride(0),
         SCALE=scale, BLOCK_S=max(1, 4096 // block_w), BLOCK_W=block_w)
 
@@ -866,7 +866,7 @@ def compress_region_fused_steps(caches: Sequence[torch.Tensor], held: Sequence, 
     stats, flag = buf(torch.int32, n_prob, 2), buf(torch.int32, 1)
     interp = interpreting()
     spans = batch.spans.contiguous()
-    launch("plan", _compiled(interp, "plan"), (n_prob,),
+    launch("plan", compiled(interp, "plan"), (n_prob,),
         h_ids, h_video, h_labels if h_labels is not None else empty_long, hs_a, hs_h,
         batch.new_ids.contiguous(), batch.new_labels.contiguous() if labels_given else empty_long,
         spans, spans.shape[0], region_ids, region_video, region_labels, elig_rank, unit_of, row_of_rank,
@@ -880,7 +880,7 @@ def compress_region_fused_steps(caches: Sequence[torch.Tensor], held: Sequence, 
     scan = nonfinite is not None
     s_block, s_head, s_offset, s_channel = first.stride()
     starts = tuple(caches[a].data_ptr() - first.data_ptr() for a in anchors)  # bytes
-    offsets = copy_triton._device_table(tuple(s // first.element_size() for s in starts), device)  # made once
+    offsets = copy_triton.device_table(tuple(s // first.element_size() for s in starts), device)  # made once
     block_f = max(16, triton.next_power_of_2(width))
     tile_rows = max(1, TILE_ELEMENTS // block_f)
     scan_programs = cdiv(n_tok, tile_rows) if scan else 0
@@ -914,7 +914,7 @@ def compress_region_fused_steps(caches: Sequence[torch.Tensor], held: Sequence, 
     rows = (yield to_make) if gather is None else to_make.run()
     feats, valid, k = rows.feats, rows.valid, rows.k
     kn, vn, seed = rows.norms.unbind(0)
-    launch("units", _compiled(interp, "units"), (n_prob, unit_rows + scan_programs),
+    launch("units", compiled(interp, "units"), (n_prob, unit_rows + scan_programs),
         first, offsets, scales, batch.src_slots.contiguous(), row_of_rank, unit_start, unit_size, count,
         feats, kn, vn, seed, valid, k, flag, stats, n_prob,
         n_tok, unit_rows, feats.shape[1], hp, heads, head_size, frame_budget, k_max,
@@ -923,7 +923,7 @@ def compress_region_fused_steps(caches: Sequence[torch.Tensor], held: Sequence, 
         ALIGN=copy_triton.alignment(first, starts, head_size),
         BLOCK_F=block_f, TILE_T=tile_rows)
     if gather is not None:
-        rows, width = yield from _gathered_rows(rows, gather, heads, head_size, interp,
+        rows, width = yield from gathered_rows(rows, gather, heads, head_size, interp,
                                                 norms=params.space != "normalized")
         k = rows.k
 
@@ -934,7 +934,7 @@ def compress_region_fused_steps(caches: Sequence[torch.Tensor], held: Sequence, 
     out_ids, out_video = buf(torch.long, *shape), buf(torch.bool, *shape)
     out_labels = buf(torch.long, *shape) if labels else empty_long
     runs = buf(torch.int32, n_prob) if labels else empty_long
-    launch("finish", _compiled(interp, "finish"), (n_prob,),
+    launch("finish", compiled(interp, "finish"), (n_prob,),
         order, k, still, count, elig_rank, unit_of, unit_start, unit_size, protect,
         region_ids, region_video, region_labels, kept_count, positions, out_ids, out_video, out_labels,
         flag, nonfinite if scan else empty_long, runs,

@@ -91,7 +91,7 @@ def gathered_bytes(anchors: int, tokens: int, total_kv_heads: int, head_size: in
                    world_size: int) -> tuple[int, int]:
     """``(sent, received)`` bytes of one rank for one compression's head gather on the PyTorch path (the fused kernel
     path gathers the units' float32 features instead, ``M <= tokens`` of them:
-    :func:`~cords_vllm.compress.step_triton._gathered_rows`).
+    :func:`~cords_vllm.compress.step_triton.gathered_rows`).
 
     ``sent = 2 * anchors * tokens * H_local * head_size * element_size`` (keys and values of this rank's heads of
     every anchor layer, over the region's ``tokens``), ``received = (world_size - 1) * sent``; both 0 at

@@ -353,7 +353,7 @@ NOT_SPECIALIZED = (("k_max", "b_rows"), ("kn_ptr", "vn_ptr", "seed_ptr", "valid_
 
 
 @functools.cache
-def _compiled(interpret: bool):
+def compiled(interpret: bool):
     """The kernel, jitted on first use (under the interpreter when ``TRITON_INTERPRET=1`` at that time), with the
     arguments of :data:`NOT_SPECIALIZED` left unspecialized."""
     sizes, pointers = NOT_SPECIALIZED
@@ -508,7 +508,7 @@ def greedy_from_units(feats: torch.Tensor, key_dim: int, kn: torch.Tensor, vn: t
         basis, proj = scratch[:n_basis], scratch[n_basis:]
     else:
         basis = proj = empty
-    launch("greedy", _compiled(interpreting()), (p_count,),
+    launch("greedy", compiled(interpreting()), (p_count,),
         gk, gv, kn.contiguous(), vn.contiguous(), seed.contiguous(), valid.contiguous(), k, out, state, pool_ids,
         feats, basis, proj, m_units, k_max, m_units * m_units, feats.stride(0), feats.stride(1), comp_dim, key_dim,
         b_rows,

@@ -3,7 +3,7 @@
 Triton's interpreter (how the tests run kernels on CPU) executes a kernel's Python with NumPy: it accepts programs that
 Triton's compiler refuses (a branch whose arms give different types, an op the backend lacks, a block too wide for
 the registers). :class:`LaunchRecorder` records every launch of the kernels that modules build with their
-``_compiled(interpret[, kernel])`` during an interpreted run, and :func:`compile_for_cuda` compiles each one, with the
+``compiled(interpret[, kernel])`` during an interpreted run, and :func:`compile_for_cuda` compiles each one, with the
 argument types and constants of that launch, through Triton's own CUDA pipeline (TTIR, TTGIR, LLVM IR, PTX and
 the ``ptxas`` Triton ships, to a cubin) for given compute capabilities, in a fresh interpreter. Nothing runs on a
 device: this proves the kernels compile as launched, not that they are correct (the interpreted tests do that).
@@ -79,7 +79,7 @@ class Launch:
 
 
 class LaunchRecorder:
-    """Records the launches of the kernels ``modules`` build with ``_compiled(interpret[, kernel])`` (and runs them)."""
+    """Records the launches of the kernels ``modules`` build with ``compiled(interpret[, kernel])`` (and runs them)."""
 
     def __init__(self) -> None:
         self.launches: dict[tuple, Launch] = {}

@@ -184,7 +184,7 @@ class HostSyncCounter:
         return len(self.launch_names)
 
     def watch_triton(self, monkeypatch: Any, *modules: Any) -> None:
-        """Count each launch of the kernels that ``modules`` build with their ``_compiled(interpret[, kernel])`` as one,
+        """Count each launch of the kernels that ``modules`` build with their ``compiled(interpret[, kernel])`` as one,
         running it outside the counter (the interpreter's own tensor traffic is not a launch on CUDA)."""
         def run(label: str, kernel: Any, grid: Any, args: tuple, kwargs: dict) -> Any:
             self.launch_names.append(f"triton:{label}")
@@ -205,10 +205,10 @@ class HostSyncCounter:
 
 def watch_launches(monkeypatch: Any, modules: Any, run: Any) -> None:
     """Route every launch ``kernel[grid](*args, **kwargs)`` of the kernels ``modules`` build with their
-    ``_compiled(interpret[, kernel])`` through ``run(label, kernel, grid, args, kwargs)``, which launches it
+    ``compiled(interpret[, kernel])`` through ``run(label, kernel, grid, args, kwargs)``, which launches it
     (``label``: ``"<module>[:<kernel>]"``). A module watched again keeps one layer of watching."""
     for module in modules:
-        build = getattr(module._compiled, "unwatched", module._compiled)
+        build = getattr(module.compiled, "unwatched", module.compiled)
 
         def watched(interpret: bool, *which: Any, build: Any = build, name: str = module.__name__) -> Any:
             kernel = build(interpret, *which)
@@ -220,4 +220,4 @@ def watch_launches(monkeypatch: Any, modules: Any, run: Any) -> None:
             return _Watched()
 
         watched.unwatched = build  # type: ignore[attr-defined]
-        monkeypatch.setattr(module, "_compiled", watched)
+        monkeypatch.setattr(module, "compiled", watched)

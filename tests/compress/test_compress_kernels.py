@@ -234,8 +234,8 @@ def test_the_copy_works_out_its_layers_layout_once_per_list_of_caches_and_again_
     if not copy_triton.interpreting():
         pytest.skip("the copy runs on CPU under TRITON_INTERPRET=1")
     looked_at = []
-    signature = copy_triton._signature
-    monkeypatch.setattr(copy_triton, "_signature", lambda cache: looked_at.append(cache) or signature(cache))
+    signature = copy_triton.cache_signature
+    monkeypatch.setattr(copy_triton, "cache_signature", lambda cache: looked_at.append(cache) or signature(cache))
     positions = torch.tensor([1, 3, 4, 7, 8, 10]).view(1, 1, -1).expand(1, HEADS, -1)  # kept rows, pos[i] >= i
     src = slots_of(torch.tensor([3, 9, 4]), BS)
     dst = src[: positions.shape[-1]]

@@ -419,7 +419,7 @@ def test_a_trim_that_keeps_the_newest_tokens_of_a_frame_is_caught(monkeypatch, t
     refs = {seed: _compress_twice("torch", seed, "cords", "frame", False, (0, 0, 0), 0.25) for seed in range(2, 6)}
     for seed, ref in refs.items():
         _assert_same(ref, _compress_twice("triton", seed, "cords", "frame", False, (0, 0, 0), 0.25))
-    monkeypatch.setattr(step_triton, "_compiled", module._compiled)
+    monkeypatch.setattr(step_triton, "compiled", module.compiled)
     caught = 0
     for seed, ref in refs.items():
         try:
@@ -501,7 +501,7 @@ def test_the_frame_budget_is_the_references_on_frames_of_every_size(seed):
         stats, count_out, still = torch.empty(1, 2, dtype=torch.int32), torch.empty(1, dtype=torch.int32), \
             torch.empty(1, dtype=torch.int32)
         empty = torch.empty(1, dtype=torch.long)
-        step_triton._compiled(True, "plan")[(1,)](
+        step_triton.compiled(True, "plan")[(1,)](
             empty, empty, empty, 0, 0, torch.arange(n), labels, torch.tensor([[0, n]]), 1,
             buf(torch.long), buf(torch.bool), buf(torch.long), buf(torch.int32), buf(torch.int32), buf(torch.int32),
             buf(torch.int32), buf(torch.int32), buf(torch.bool), count_out, still, stats,

@@ -182,16 +182,16 @@ def test_the_fused_step_gathers_every_ranks_units(monkeypatch, granularity, head
     if not copy_triton.interpreting():
         pytest.skip("the simulated ranks run the kernels under TRITON_INTERPRET=1")
     for module in (step_triton, cords_triton, copy_triton):
-        compiled = module._compiled
-        monkeypatch.setattr(module, "_compiled", lambda *a, _c=compiled: _OneKernelAtATime(_c(*a)))
+        compiled = module.compiled
+        monkeypatch.setattr(module, "compiled", lambda *a, _c=compiled: _OneKernelAtATime(_c(*a)))
     fused = []
-    original = step_triton._gathered_rows
+    original = step_triton.gathered_rows
 
     def spy(*args, **kwargs):
         fused.append(1)
         return (yield from original(*args, **kwargs))
 
-    monkeypatch.setattr(step_triton, "_gathered_rows", spy)
+    monkeypatch.setattr(step_triton, "gathered_rows", spy)
     g = torch.Generator().manual_seed(11)
     full = [torch.randn(BLOCKS, heads, BS, 2 * D, generator=g) for _ in range(LAYERS)]
     if params.get("space") == "normalized":

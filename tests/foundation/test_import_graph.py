@@ -89,3 +89,50 @@ def test_the_check_finds_a_cycle(tmp_path):
     assert imports_of(lazy, {"x.a", "x.b"}) == {"x.b"}
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def private_uses(path: Path, modules: set[str]) -> list[str]:
+    """The private names (``_x``) of the package's other modules that ``path`` reaches: imported by name, or read as
+    an attribute of an imported module. A package importing its own private module is its own business."""
+    me = module_name(path)
+    tree = ast.parse(path.read_text())
+    aliases: dict[str, str] = {}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module in modules | {PACKAGE}:
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                if alias.name.startswith("_") and not alias.name.startswith("__") and node.module != me and not (
+                        full in modules and me == node.module):
+                    found.append(f"from {node.module} import {alias.name}")
+                if full in modules:
+                    aliases[alias.asname or alias.name] = full
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name in modules and alias.asname:
+                    aliases[alias.asname] = alias.name
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                and isinstance(node.value, ast.Name) and aliases.get(node.value.id, me) != me):
+            found.append(f"{aliases[node.value.id]}.{node.attr}")
+    return found
+
+
+def test_no_private_name_is_used_outside_its_module():
+    files = {module_name(p): p for p in (ROOT / PACKAGE).rglob("*.py")}
+    modules = set(files)
+    used = {name: uses for name, path in files.items() if (uses := private_uses(path, modules))}
+    assert used == {}
+
+
+def test_the_private_name_check_finds_one(tmp_path):
+    (tmp_path / "cords_vllm").mkdir()
+    user = tmp_path / "cords_vllm" / "user.py"
+    user.write_text("from cords_vllm import other\nfrom cords_vllm.other import _hidden\nother._secret()\n")
+    global ROOT
+    saved, ROOT = ROOT, tmp_path
+    try:
+        assert private_uses(user, {"cords_vllm.other", "cords_vllm.user"}) == [
+            "from cords_vllm.other import _hidden", "cords_vllm.other._secret"]
+    finally:
+        ROOT = saved

@@ -219,7 +219,7 @@ class StreamVideo:
 
     def __init__(self, cfg: HoursConfig, questions: Sequence[Question], *, unique: bool = True, scenes: int = 2,
                  scene_clips: int = 8) -> None:
-        from cords_vllm.lab.vqa.video import _noise_bank, render_background
+        from cords_vllm.lab.vqa.video import noise_bank, render_background
 
         self.cfg = cfg
         self.unique = unique
@@ -228,7 +228,7 @@ class StreamVideo:
         for s in range(scenes):
             video = np.clip(render_background(np.random.default_rng([cfg.seed, s]), scene), 0, 255).astype(np.uint8)
             clips += [video[i * cfg.clip_frames:(i + 1) * cfg.clip_frames] for i in range(scene_clips)]
-        _noise_bank.cache_clear()
+        noise_bank.cache_clear()
         self.clips = clips
         self.background = None if unique else [_data_urls(c) for c in clips]
         self.events = {q.event_push: q for q in questions}

@@ -8,7 +8,7 @@ projector and a Llama text model with 1-D rotary positions (no M-RoPE). A video 
 (:data:`~cords_vllm.model_facts.FRAMES_FROM_LAYOUT`). With the default 80 pixels a frame is a 10 x 10 patch grid
 pooled to 5 x 5 = 25 tokens, so a 16-frame video is 400 tokens.
 
-The tokenizer is the Qwen-VL tiny models' (:func:`~cords_vllm.lab.synthetic.tiny_model._build_tokenizer`) plus the
+The tokenizer is the Qwen-VL tiny models' (:func:`~cords_vllm.lab.synthetic.tiny_model.build_tokenizer`) plus the
 ``<video>`` and ``<image>`` special tokens, with a LLaVA-style chat template (``USER: <video>\\n... ASSISTANT:``).
 vLLM serves it and HF transformers runs it, so the two can be compared token for token. Builds are cached like
 :func:`~cords_vllm.lab.synthetic.tiny_model.build_tiny_model` (same cache directory, keyed by the spec).
@@ -143,9 +143,9 @@ def build_tiny_llava_next_video(spec: TinyLlavaSpec | None = None,
 def _tokenizer(spec: TinyLlavaSpec):
     from tokenizers import AddedToken
 
-    from cords_vllm.lab.synthetic.tiny_model import _build_tokenizer
+    from cords_vllm.lab.synthetic.tiny_model import build_tokenizer
 
-    tok = _build_tokenizer(TinyModelSpec(tokenizer_vocab=spec.tokenizer_vocab, vocab_size=spec.vocab_size))
+    tok = build_tokenizer(TinyModelSpec(tokenizer_vocab=spec.tokenizer_vocab, vocab_size=spec.vocab_size))
     tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in (VIDEO_TOKEN, IMAGE_TOKEN)],
                    special_tokens=True)
     tok.video_token, tok.image_token = VIDEO_TOKEN, IMAGE_TOKEN

@@ -228,7 +228,7 @@ def build_tiny_qwen2vl(spec: TinyModelSpec | None = None, cache_dir: str | os.Pa
     return build_tiny_model(spec, cache_dir)
 
 
-def _build_tokenizer(spec: TinyModelSpec):
+def build_tokenizer(spec: TinyModelSpec):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -263,7 +263,7 @@ def _write_checkpoint(spec: TinyModelSpec, out: Path) -> None:
 
     from cords_vllm.lab.synthetic.families import FAMILIES
 
-    tokenizer = _build_tokenizer(spec)
+    tokenizer = build_tokenizer(spec)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     if len(tokenizer) > spec.vocab_size:
         raise ValueError(f"tokenizer has {len(tokenizer)} tokens, more than vocab_size={spec.vocab_size}")

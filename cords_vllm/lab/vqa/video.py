@@ -142,7 +142,7 @@ class Mark:
 
 
 @lru_cache(maxsize=8)
-def _noise_bank(size: int, count: int = 64, seed: int = 1234) -> np.ndarray:
+def noise_bank(size: int, count: int = 64, seed: int = 1234) -> np.ndarray:
     """A fixed bank of standard-normal noise frames ``float32 [count, size, size, 3]`` (read-only)."""
     bank = np.random.default_rng(seed).standard_normal((count, size, size, 3), dtype=np.float32)
     bank.setflags(write=False)
@@ -180,7 +180,7 @@ def render_background(rng: np.random.Generator, geometry: VideoGeometry, *, num_
             inside = (np.abs(yy[None] - cy) <= radius) & (np.abs(xx[None] - cx) <= 0.7 * radius)
         video[inside] = gray
     if noise > 0:
-        bank = _noise_bank(s)
+        bank = noise_bank(s)
         frames = bank[rng.integers(0, len(bank), size=t_count)]
         if rng.random() < 0.5:
             frames = frames[:, ::-1]
