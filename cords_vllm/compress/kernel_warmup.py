@@ -38,7 +38,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from cords_vllm.compress import copy_triton, step_triton
+from cords_vllm.compress import copy_triton, step_kernels, step_triton
 from cords_vllm.compress.kv_access import KVAccessor, PagedAccessor, slots_of
 from cords_vllm.compress.kv_codec import KVCodec
 from cords_vllm.compress.step import RegionBatch, SelectionSetup, compress_region
@@ -233,7 +233,7 @@ def compiled_variants() -> int | None:
     """Kernel variants Triton holds compiled over every kernel a compression launches (its JIT caches), to check
     that nothing compiles after :func:`warm_up`; ``None`` where none compile (the interpreter) or where this Triton
     keeps them elsewhere."""
-    kernels = [step_triton.compiled(False, k) for k in step_triton.NOT_SPECIALIZED]
+    kernels = [step_kernels.compiled(False, k) for k in step_kernels.NOT_SPECIALIZED]
     kernels += [cords_triton.compiled(False), copy_triton.compiled(False)]
     if not all(hasattr(k, "device_caches") for k in kernels):
         return None

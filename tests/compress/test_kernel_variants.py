@@ -5,7 +5,7 @@ apart at the value 1 and at multiples of 16, and every pointer at 16-byte alignm
 from one compression to the next (region tokens, held tokens, unit counts, budgets, kept tokens, rows of a step's
 shared buffers), so on a GPU every new combination of those classes would stop the engine's step for a compile of
 seconds, long after start-up. Each kernel is jitted with those arguments unspecialized
-(``step_triton.NOT_SPECIALIZED``, ``cords_triton.NOT_SPECIALIZED``, ``copy_triton.NOT_SPECIALIZED``).
+(``step_kernels.NOT_SPECIALIZED``, ``cords_triton.NOT_SPECIALIZED``, ``copy_triton.NOT_SPECIALIZED``).
 
 Checked here with Triton's own specialization function on every launch of many compressions (first and second
 ones, alone and a step's together, at every unit), under the interpreter: within one set of constexprs, every

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import cords_vllm.compress.copy_triton as copy_triton
+import cords_vllm.compress.step_kernels as step_kernels
 import cords_vllm.compress.step_triton as step_triton
 import cords_vllm.selection.cords_triton as cords_triton
 from tests.compress import test_step_triton as step_tests
@@ -53,7 +54,7 @@ def _at_7b_widths(launches: list[Launch]) -> list[Launch]:
     for launch in launches:
         if launch.name in ("step_triton:plan", "step_triton:finish"):
             wide.append(dataclasses.replace(launch, arguments={**launch.arguments, "BLOCK_T": 8192},
-                                            options={**launch.options, "num_warps": step_triton._row_warps(8192)}))
+                                            options={**launch.options, "num_warps": step_kernels._row_warps(8192)}))
         elif launch.name == "step_triton:units":
             wide.append(dataclasses.replace(launch, arguments={**launch.arguments, "BLOCK_F": 512}))
         elif launch.name == "cords_triton":  # token units of a 7B region, 512-wide components (joint selection)

@@ -20,6 +20,7 @@ import sys
 import pytest
 import torch
 
+import cords_vllm.compress.step_kernels as step_kernels
 import cords_vllm.compress.step_triton as step_triton
 from cords_vllm.compress.frames import label_runs
 from cords_vllm.compress.kv_access import PagedAccessor, slots_of
@@ -29,8 +30,8 @@ from cords_vllm.selection import get_selector
 from tests.compress.regions import on_device
 
 pytest.importorskip("triton")
-tl = step_triton.tl
-triton = step_triton.triton
+tl = step_kernels.tl
+triton = step_kernels.triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HEADS, BS, D, LAYERS, NUM_BLOCKS = 2, 8, 8, 3, 48
@@ -404,9 +405,9 @@ def test_a_region_past_the_fused_steps_rows_is_handed_back_and_said(monkeypatch,
 
 def test_a_trim_that_keeps_the_newest_tokens_of_a_frame_is_caught(monkeypatch, tmp_path):
     """Negative control: the same comparison fails for a fused step whose exact-count rule keeps a trimmed unit's
-    newest tokens instead of its oldest (the reference's rule): the module, with that one line changed, loaded from a
-    file (Triton reads a kernel's source)."""
-    source = inspect.getsource(step_triton)
+    newest tokens instead of its oldest (the reference's rule): the kernels' module, with that one line changed, loaded
+    from a file (Triton reads a kernel's source)."""
+    source = inspect.getsource(step_kernels)
     rule = "kept = has_unit & (rank - first < quota)"
     assert source.count(rule) == 1
     mutant = tmp_path / "newest_first_trim.py"
@@ -432,8 +433,8 @@ def test_a_trim_that_keeps_the_newest_tokens_of_a_frame_is_caught(monkeypatch, t
 def _decode_every_byte(byte_ptr, e4m3_ptr, e5m2_ptr, N: tl.constexpr):
     i = tl.arange(0, N)
     b = tl.load(byte_ptr + i)
-    tl.store(e4m3_ptr + i, step_triton._e4m3(b))
-    tl.store(e5m2_ptr + i, step_triton._e5m2(b))
+    tl.store(e4m3_ptr + i, step_kernels._e4m3(b))
+    tl.store(e5m2_ptr + i, step_kernels._e5m2(b))
 
 
 def test_the_fp8_decoders_are_exact_for_every_byte():
