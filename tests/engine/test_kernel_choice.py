@@ -37,7 +37,7 @@ class _Lines(logging.Handler):
 def test_the_kernels_key_reaches_the_workers_and_both_paths_keep_the_same_tokens(tiny_model, monkeypatch):
     """(The Triton run's start-up warm-up fails here, on purpose: the worker says why and serves.)"""
     prompts = [{"prompt": VIDEO_PROMPT, "multi_modal_data": {"video": video(48)}}]
-    worker_log = logging.getLogger(compressor.__name__)
+    worker_log = logging.getLogger(compressor.__name__.rpartition(".")[0])  # the compressor and its warm-up
     lines, level = _Lines(), worker_log.level
     worker_log.addHandler(lines)
     worker_log.setLevel(logging.INFO)
@@ -75,7 +75,7 @@ def test_the_kernels_compile_at_start_up_for_every_width_the_videos_take(tiny_mo
     nothing to compile), and the compressions of videos of several lengths, at the server's budget and at budgets
     requests narrowed it to, launch only variants it compiled."""
     pytest.importorskip("triton")
-    worker_log = logging.getLogger(compressor.__name__)
+    worker_log = logging.getLogger(compressor.__name__.rpartition(".")[0])  # the compressor and its warm-up
     lines, level = _Lines(), worker_log.level
     worker_log.addHandler(lines)
     worker_log.setLevel(logging.INFO)

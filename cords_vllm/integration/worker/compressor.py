@@ -46,7 +46,6 @@ import torch
 
 from cords_vllm.compress.attention_view import RowHoles
 from cords_vllm.compress.frames import frame_sizes, label_runs, layout_labels
-from cords_vllm.compress.gram_budget import limit_from_free_memory, set_step_gram_limit
 from cords_vllm.compress.kv_access import KVAccessor, slots_of
 from cords_vllm.compress.kv_codec import KVCodec, check_kv_cache_dtype
 from cords_vllm.compress.plan import NULL_BLOCK_ID, CompressionPlan, RebasePlan
@@ -70,10 +69,10 @@ from cords_vllm.integration.published import PUBLISH_INTERVAL_S, Publisher
 from cords_vllm.integration.worker.cpu_layout import accessor_for_layer, codec_for_layer, kv_cache_dtype_of
 from cords_vllm.integration.worker.pipeline_parallel import stage_anchors
 from cords_vllm.integration.worker.query_capture import QueryCapture
-from cords_vllm.integration.worker.tensor_parallel import tp_head_gatherer, tp_warmup_gatherer
+from cords_vllm.integration.worker.tensor_parallel import tp_head_gatherer
 from cords_vllm.integration.worker.timing import CompressionTimer
 from cords_vllm.integration.worker.tracker import WorkerRequest
-from cords_vllm.kernel_backend import interpreting, kernels_in_force, use_triton
+from cords_vllm.integration.worker.warmup import warm_up_kernels
 from cords_vllm.model_facts import FRAMES_FROM_LAYOUT
 from cords_vllm.selection import get_selector
 from cords_vllm.threads import intra_op_threads
@@ -246,54 +245,9 @@ class WorkerCompressor:
                 raise RuntimeError(f"KV layout of layer {name} ({accessor}) failed its read-back probe")
 
     def warm_up_kernels(self, runner: Any) -> None:
-        """At start-up, before the engine serves: where Triton kernels run the compress step, compile them for every
-        width this server's compressions can take (:mod:`cords_vllm.compress.kernel_warmup`), unless the
-        configuration's ``warmup`` is false. Every rank runs it on its own: under tensor parallelism its small
-        compressions gather heads with a stand-in of the same shapes (:func:`tp_warmup_gatherer`), not the group's
-        collective, so a rank whose warm-up fails alone serves and leaves no other waiting."""
-        with kernels_in_force(self.setup.kernels):
-            if not use_triton(self.device):
-                return
-        if self.device.type == "cuda":  # the KV cache is allocated: what vLLM leaves free bounds a step's Gram matrices
-            free, _ = torch.cuda.mem_get_info(self.device)
-            limit = set_step_gram_limit(limit_from_free_memory(free))
-            logger.info("cords-vllm: a step's shared greedy run holds at most %.2f GiB of Gram matrices (half of "
-                        "the %.2f GiB left free)", limit / (1 << 30), free / (1 << 30))
-        if not self.config.warmup:
-            logger.info("cords-vllm: kernel warm-up off (kv_policy_config 'warmup'): each width compiles at its "
-                        "first compression")
-            return
-        from cords_vllm.compress.kernel_warmup import TEMPLATE_BLOCKS, WarmupWidths, warm_up, warm_up_copy
-
-        if runner.kv_cache_config.num_blocks <= TEMPLATE_BLOCKS:
-            logger.warning("cords-vllm: kernel warm-up skipped: a pool of %d KV blocks leaves no %d free for its "
-                           "compressions; each width compiles at its first compression",
-                           runner.kv_cache_config.num_blocks, TEMPLATE_BLOCKS)
-            return
-        observed = self.setup.selector.needs_observation  # no start-up compression has their queries: the copy alone
-        widths = None
-        if not observed:
-            max_len = runner.vllm_config.model_config.max_model_len
-            max_rows = min(max_len, self.config.stream_footprint_blocks(max_len, self.block_size) * self.block_size)
-            widths = WarmupWidths.for_server(
-                budget=self.config.budget, slack=self.config.slack, block_size=self.block_size,
-                max_rows=max_rows, granularity=self.config.granularity, frames_known=self.facts.finds_frames)
-        try:
-            if widths is None:
-                self.warmup = warm_up_copy(self.caches, self.accessors)
-            else:
-                setup = self.setup  # under tensor parallelism, a gather of the same shapes without the collective
-                if setup.gather_heads is not None:
-                    setup = dataclasses.replace(setup, gather_heads=tp_warmup_gatherer(runner))
-                self.warmup = warm_up(self.caches, self.accessors, self.codecs, setup, widths)
-        except Exception as exc:  # an optimisation: say why it did not run, and serve (compiles at first use)
-            logger.warning("cords-vllm: kernel warm-up failed (%s: %s); each width compiles at its first "
-                           "compression", type(exc).__name__, exc, exc_info=exc)
-            return
-        logger.info("cords-vllm: kernel warm-up: %s%s%s", self.warmup.describe(),
-                    f" (--kv-policy {self.config.policy} scores observed queries: the copy alone; its selection runs "
-                    "on the PyTorch path)" if observed else "",
-                    " (interpreted: nothing to compile)" if interpreting() and self.warmup.variants else "")
+        """At start-up: the compress step's kernels compiled for this server's widths
+        (:func:`~cords_vllm.integration.worker.warmup.warm_up_kernels`)."""
+        warm_up_kernels(self, runner)
 
     # ------------------------------------------------------------------------------------------------
     def on_step(self, runner: Any, scheduler_output: Any) -> None:
