@@ -9,7 +9,8 @@ are in.
 The patch table wraps ``connection_made`` and ``on_response_complete`` of both of uvicorn's HTTP/1.1 protocols
 (``httptools`` and ``h11``): each arms one timer, and when it fires with no new request's headers complete since
 (uvicorn creates a request's ``cycle`` once its headers are parsed), the connection is answered ``408`` and closed.
-A request in progress, a streamed answer and a connection that already completed its headers are never touched.
+A request in progress, a streamed answer, a connection upgraded to a WebSocket (its transport now another
+protocol's) and a connection that already completed its headers are never touched.
 Off (``None``) until the stream API sets it; a reverse proxy's own header timeout (nginx's
 ``client_header_timeout``) does the same in front of any server.
 """
@@ -43,12 +44,15 @@ def _arm(protocol: Any) -> None:
 
     def expire() -> None:
         transport = protocol.transport
-        if protocol.cycle is seen and transport is not None and not transport.is_closing():
-            logger.debug("cords-vllm: a connection sent no complete request headers within %g s: closed", seconds)
-            try:
-                transport.write(_REFUSAL)
-            finally:
-                transport.close()
+        if transport is None or transport.is_closing() or protocol.cycle is not seen:
+            return
+        if getattr(transport, "get_protocol", lambda: protocol)() is not protocol:  # upgraded (a WebSocket)
+            return
+        logger.debug("cords-vllm: a connection sent no complete request headers within %g s: closed", seconds)
+        try:
+            transport.write(_REFUSAL)
+        finally:
+            transport.close()
 
     protocol.loop.call_later(seconds, expire)
 
