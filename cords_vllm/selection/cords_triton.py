@@ -27,7 +27,7 @@ Design (one GEMM, then a persistent greedy loop over rows):
    terms are packed in index order into half as wide a state, and the steps go on over those (the Gram rows read at
    the packed indices; the tie rule's order is theirs). At 7,744 units on sm_90: 492 instructions a step over the
    whole row (577 with float reductions, 672 with a boolean pool besides), 314 over the packed pool, which the last
-   2,560 of a 6,144-step run take; 151 at 480 units (235) (:func:`tests.compress.cuda_compile.loop_instructions`).
+   2,560 of a 6,144-step run take; 151 at 480 units (235) (:func:`tests.support.cuda_compile.loop_instructions`).
 3. The exact novelty (:func:`_exact_residual`) keeps the squared residuals ``||(I - P_S) x_i||^2`` on chip instead
    of the running cosines, and the orthonormal directions of the selected set in a global buffer (at most ``Dc``
    per component, ``[P, C, Dc, Dc]`` for the ``C`` components it reads). A step whose new unit still has a residual

@@ -10,7 +10,7 @@ import torch
 from cords_vllm.compress.attention_view import RowHoles, compact_rows
 from cords_vllm.integration.worker.attention_view import physical_view
 from cords_vllm.utils import cdiv
-from tests.compress.device_audit import DeviceAudit
+from tests.support.device_audit import DeviceAudit
 
 BS, WIDTH = 4, 12
 

@@ -6,7 +6,7 @@ copy) against ``kernels="torch"`` (the reference), on paged caches in every phys
 use, in every KV dtype the plugin supports (fp8 as its raw bytes), for first and later compressions, joint and per
 head, one anchor or several. Equal means the same kept ids per layer and the same cache contents, bit for bit.
 
-Launches (what a CUDA device would run, counted on CPU by :class:`~tests.compress.device_audit.HostSyncCounter`): per
+Launches (what a CUDA device would run, counted on CPU by :class:`~tests.support.device_audit.HostSyncCounter`): per
 compression they do not grow with the layer count or the kept count, grow by :data:`PER_EXTRA_ANCHOR` per extra
 anchor, and stay within :data:`LAUNCH_BUDGET`.
 """
@@ -23,8 +23,8 @@ from cords_vllm.compress.kv_access import PagedAccessor, slots_of
 from cords_vllm.compress.kv_codec import PlainCodec, codec_for
 from cords_vllm.compress.step import HOST_SYNCS_PER_COMPRESSION, RegionBatch, SelectionSetup, compress_region
 from cords_vllm.selection import get_selector
-from tests.compress.device_audit import HostSyncCounter
-from tests.compress.regions import on_device
+from tests.support.device_audit import HostSyncCounter
+from tests.support.regions import on_device
 
 pytest.importorskip("triton")
 

@@ -15,7 +15,7 @@ from cords_vllm.compress.attention_view import RowHoles, compact_rows
 from cords_vllm.compress.kv_access import PagedAccessor, slots_of
 from cords_vllm.compress.step import RegionBatch, SelectionSetup, compress_region
 from cords_vllm.selection import available_selectors, get_selector
-from tests.compress.observed import with_observation
+from tests.support.observed import with_observation
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -3,7 +3,7 @@
 On a GPU every host read of a tensor (``item``, ``bool``, data-sized ops such as ``nonzero`` or boolean-mask
 indexing) waits for the stream, and under async scheduling for the forward in flight; every
 ``torch.tensor(v, device=...)`` is a blocking pageable copy; every op is a kernel launch, and the greedy
-selectors launch a fixed list of ops per kept unit. :class:`~tests.compress.device_audit.HostSyncCounter` counts
+selectors launch a fixed list of ops per kept unit. :class:`~tests.support.device_audit.HostSyncCounter` counts
 all three on CPU, where the same code runs (aten-level dispatch mode plus a function-level mode for host
 data), so the budgets documented in :mod:`cords_vllm.compress.step` and :mod:`cords_vllm.selection.cords`
 are enforced here.
@@ -28,8 +28,8 @@ from cords_vllm.selection.cords import OPS_PER_GREEDY_STEP
 from cords_vllm.selection.exact import select_exact
 from cords_vllm.selection.randomized import RandomSelector
 from cords_vllm.selection.ranking import top_k_order
-from tests.compress.device_audit import HostSyncCounter
-from tests.compress.observed import with_observation
+from tests.support.device_audit import HostSyncCounter
+from tests.support.observed import with_observation
 
 LAYERS, HEADS, BS, D = 3, 2, 16, 32
 TEXT, FRAME, FRAMES = 5, 24, 12  # protected tokens, tokens per frame, frames

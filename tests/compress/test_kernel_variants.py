@@ -22,9 +22,9 @@ from cords_vllm.compress import copy_triton, step_triton
 from cords_vllm.compress.kv_access import PagedAccessor
 from cords_vllm.compress.step import RegionBatch, RegionCompression, SelectionSetup, compress_region, compress_regions
 from cords_vllm.selection import cords_triton, get_selector
-from tests.compress.device_audit import watch_launches
-from tests.compress.regions import first_batches, later_batch
-from tests.compress.specialization import specialization as _specialization
+from tests.support.device_audit import watch_launches
+from tests.support.regions import first_batches, later_batch
+from tests.support.specialization import specialization as _specialization
 
 pytest.importorskip("triton")
 

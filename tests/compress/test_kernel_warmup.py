@@ -33,9 +33,9 @@ from cords_vllm.compress.plan import (
 )
 from cords_vllm.compress.step import RegionCompression, SelectionSetup, compress_region, compress_regions, video_mask
 from cords_vllm.selection import cords_triton, get_selector
-from tests.compress.device_audit import watch_launches
-from tests.compress.regions import first_batches, later_batch, on_device
-from tests.compress.specialization import specialization
+from tests.support.device_audit import watch_launches
+from tests.support.regions import first_batches, later_batch, on_device
+from tests.support.specialization import specialization
 
 pytest.importorskip("triton")
 
@@ -202,7 +202,7 @@ def test_the_copy_alone_is_warmed_for_a_policy_scoring_observed_queries(monkeypa
     variant and no other kernel (its selection runs on the PyTorch path)."""
     if not copy_triton.interpreting():
         pytest.skip("the launches are compared on CPU under TRITON_INTERPRET=1")
-    from tests.compress.observed import with_observation
+    from tests.support.observed import with_observation
 
     g = torch.Generator().manual_seed(5)
     caches = [torch.randn(BLOCKS, HEADS, BS, 2 * D, generator=g) for _ in range(LAYERS)]
@@ -245,7 +245,7 @@ def test_every_variant_of_a_7b_servers_warm_up_compiles_for_sm90_without_spillin
     pytest.importorskip("triton.backends.nvidia")
     if not copy_triton.interpreting():
         pytest.skip("recorded on CPU under TRITON_INTERPRET=1")
-    from tests.compress.cuda_compile import usage_as_launched
+    from tests.support.cuda_compile import usage_as_launched
 
     caches = [torch.randn(16, 4, 16, 256).to(torch.bfloat16) for _ in range(2)]
     setup = SelectionSetup(get_selector("cords"), "auto", False, (0, 0), kernels="triton")

@@ -4,7 +4,7 @@ The interpreted tests prove the kernels keep the reference's tokens, but Triton'
 with NumPy and accepts programs the CUDA compiler refuses. So the launches of real compressions (the fused step at
 every granularity, joint and per head, with and without the non-finite scan; the greedy kernel and the copy of the
 paths the fused step hands back, in every cache dtype) are recorded with their argument types and constants, and each
-is compiled through Triton's CUDA pipeline to a cubin (:mod:`tests.compress.cuda_compile`). No GPU is needed.
+is compiled through Triton's CUDA pipeline to a cubin (:mod:`tests.support.cuda_compile`). No GPU is needed.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import cords_vllm.compress.step_kernels as step_kernels
 import cords_vllm.compress.step_triton as step_triton
 import cords_vllm.selection.cords_triton as cords_triton
 from tests.compress import test_step_triton as step_tests
-from tests.compress.cuda_compile import Launch, LaunchRecorder, compile_for_cuda, mismatched_branches
+from tests.support.cuda_compile import Launch, LaunchRecorder, compile_for_cuda, mismatched_branches
 
 triton = pytest.importorskip("triton")
 pytest.importorskip("triton.backends.nvidia")
@@ -110,7 +110,7 @@ def test_the_copy_moves_16_bytes_per_access_without_spilling_at_a_7b_models_layo
     finds one element per access."""
     if not copy_triton.interpreting():
         pytest.skip("the launch is recorded on CPU under TRITON_INTERPRET=1")
-    from tests.compress.cuda_compile import compiled_as_launched
+    from tests.support.cuda_compile import compiled_as_launched
 
     caches = [torch.zeros(24, 4, 16, 256, dtype=torch.bfloat16) for _ in range(3)]
     kernel, args, kwargs = _copy_launch(monkeypatch, caches, num_keep=37)
@@ -144,7 +144,7 @@ def test_a_step_of_the_units_sum_waits_on_one_load_not_a_chain(monkeypatch):
     a loop that reads rows, then what they point at."""
     if not step_triton.interpreting():
         pytest.skip("the launch is recorded on CPU under TRITON_INTERPRET=1")
-    from tests.compress.cuda_compile import chained_loads, usage_as_launched
+    from tests.support.cuda_compile import chained_loads, usage_as_launched
 
     seen = []
     run = step_triton.launch
@@ -190,7 +190,7 @@ def test_a_greedy_step_compiles_to_under_500_instructions_and_reduces_without_sh
     follows the work; a loop over a float maximum shuffles."""
     if not cords_triton.interpreting():
         pytest.skip("the launch is recorded on CPU under TRITON_INTERPRET=1")
-    from tests.compress.cuda_compile import float_max_loop, usage_as_launched
+    from tests.support.cuda_compile import float_max_loop, usage_as_launched
 
     token, d2 = _greedy_launch(monkeypatch, 7744), _greedy_launch(monkeypatch, 7744, lam=0.0)
     control = (triton.jit(float_max_loop), (torch.zeros(64), torch.zeros(1), 8), {"BLOCK": 64})

@@ -11,8 +11,8 @@ from cords_vllm.compress.kv_access import PagedAccessor, slots_of
 from cords_vllm.compress.step import RegionBatch, SelectionSetup, compress_region, video_mask
 from cords_vllm.selection import available_selectors, get_selector
 from cords_vllm.selection.base import SelectionResult, Selector
-from tests.compress.device_audit import DeviceAudit
-from tests.compress.observed import with_observation
+from tests.support.device_audit import DeviceAudit
+from tests.support.observed import with_observation
 
 LAYERS, HEADS, BS, D, BLOCKS = 4, 2, 8, 16, 40
 TEXT = 5  # protected tokens before the video

@@ -20,7 +20,7 @@ from cords_vllm.compress.step import (
     compress_regions,
 )
 from cords_vllm.selection import get_selector
-from tests.compress.regions import first_batches, later_batch
+from tests.support.regions import first_batches, later_batch
 
 LAYERS, HEADS, BS, D, BLOCKS = 4, 2, 8, 16, 48
 TEXT, FRAME = 5, 12
@@ -133,7 +133,7 @@ def test_fused_compressions_together_share_one_greedy_run_and_keep_each_ones_tok
     and their norms."""
     from cords_vllm.compress import copy_triton, step_triton
     from cords_vllm.selection import cords_triton
-    from tests.compress.device_audit import HostSyncCounter
+    from tests.support.device_audit import HostSyncCounter
 
     if not copy_triton.interpreting():
         pytest.skip("launches are counted on CPU under TRITON_INTERPRET=1")
@@ -170,7 +170,7 @@ def test_fused_frame_compressions_together_sized_by_label_runs_read_nothing_back
     from cords_vllm.compress.frames import label_runs
     from cords_vllm.compress.step import video_mask
     from cords_vllm.selection import cords_triton
-    from tests.compress.device_audit import HostSyncCounter
+    from tests.support.device_audit import HostSyncCounter
 
     if not copy_triton.interpreting():
         pytest.skip("launches are counted on CPU under TRITON_INTERPRET=1")

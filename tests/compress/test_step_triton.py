@@ -27,7 +27,7 @@ from cords_vllm.compress.kv_access import PagedAccessor, slots_of
 from cords_vllm.compress.kv_codec import codec_for
 from cords_vllm.compress.step import RegionBatch, SelectionSetup, compress_region, describe_path
 from cords_vllm.selection import get_selector
-from tests.compress.regions import on_device
+from tests.support.regions import on_device
 
 pytest.importorskip("triton")
 tl = step_kernels.tl
@@ -257,7 +257,7 @@ def test_frames_sized_by_label_runs_read_nothing_back_and_keep_what_reading_keep
     keeps (its control: without the runs, the stats are read)."""
     from cords_vllm.compress import copy_triton
     from cords_vllm.selection import cords_triton
-    from tests.compress.device_audit import HostSyncCounter
+    from tests.support.device_audit import HostSyncCounter
 
     ref = _compress_twice("torch", seed, "cords", "frame", per_head, anchors, fraction)
     assert len(ref) == 2

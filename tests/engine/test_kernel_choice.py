@@ -20,9 +20,9 @@ from cords_vllm.integration.inprocess.heap import settle
 from cords_vllm.integration.inprocess.llm import make_llm
 from cords_vllm.integration.worker.hooks import attached_compressor
 from cords_vllm.selection import cords_triton
-from tests.compress.device_audit import watch_launches
-from tests.compress.specialization import specialization
 from tests.engine.conftest import BLOCK, CHUNK, VIDEO_PROMPT, run_engine, video
+from tests.support.device_audit import watch_launches
+from tests.support.specialization import specialization
 
 
 class _Lines(logging.Handler):

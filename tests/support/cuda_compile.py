@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from tests.compress.device_audit import watch_launches
+from tests.support.device_audit import watch_launches
 
 try:
     import triton.language as tl
@@ -137,7 +137,7 @@ def compiled_as_launched(kernel: Any, args: tuple, kwargs: dict, capability: int
 
 def usage_as_launched(launches: list[tuple[Any, tuple, dict]], capability: int = 90) -> list[Usage]:
     """:func:`compiled_as_launched` of several ``(kernel, args, kwargs)`` launches, in one fresh interpreter."""
-    from tests.compress.specialization import specialization
+    from tests.support.specialization import specialization
 
     jobs = []
     for i, (kernel, args, kwargs) in enumerate(launches):
