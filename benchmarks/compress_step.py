@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from cords_vllm.compress import step_triton
+from cords_vllm.compress import step_kernels, step_triton
 from cords_vllm.compress.frames import label_runs
 from cords_vllm.compress.kernel_warmup import WarmupWidths, compiled_variants, warm_up
 from cords_vllm.compress.kv_access import PagedAccessor, slots_of
@@ -302,7 +302,7 @@ def measure(case: Case, kernels: str, device: torch.device, dtype: torch.dtype, 
 
 #: The kernels ``--sweep-warps`` tunes, each by the module function whose choice it forces: the plan and finish
 #: programs (which hold a region's rows) and the greedy run (which holds a problem's units).
-SWEEPS = {"plan + finish": (step_triton, "_row_warps"), "greedy": (cords_triton, "_warps")}
+SWEEPS = {"plan + finish": (step_kernels, "_row_warps"), "greedy": (cords_triton, "_warps")}
 #: The warps each kernel is timed at.
 SWEEP_WARPS = (1, 2, 4, 8, 16, 32)
 #: Warps too few for a kernel's widest rows (thousands of rows on one or two warps spill): timed only where the greedy
