@@ -13,7 +13,7 @@ import pytest
 
 from cords_vllm.conversation.transcript import Transcript
 from cords_vllm.integration.api_server.streams.live import clip_input
-from cords_vllm.integration.api_server.streams.turn_tokens import turn_counter
+from cords_vllm.integration.api_server.streams.turn_tokens import turn_counter, video_processing
 from cords_vllm.integration.engine_facts import model_facts_of
 from cords_vllm.integration.inprocess.heap import settle
 from cords_vllm.integration.inprocess.llm import make_llm
@@ -49,7 +49,7 @@ def test_a_turns_count_is_the_engines(engine, frames, first):
     tokenizer = llm.get_tokenizer()
     vllm_config = llm.llm_engine.vllm_config
     count = turn_counter(lambda t: tokenizer.encode(t, add_special_tokens=False), model_facts_of(vllm_config),
-                         vllm_config, tokenizer)
+                         video_processing(vllm_config), tokenizer)
     assert count is not None
     transcript = Transcript()
     prompt = transcript.clip() + transcript.question("What color was the square?")

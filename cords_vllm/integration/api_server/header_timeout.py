@@ -32,10 +32,6 @@ def set_header_timeout(seconds: float | None) -> None:
     _TIMEOUT[0] = seconds
 
 
-def header_timeout() -> float | None:
-    return _TIMEOUT[0]
-
-
 def _arm(protocol: Any) -> None:
     seconds = _TIMEOUT[0]
     if seconds is None:

@@ -378,10 +378,7 @@ async def _body_media(request: Request, limits: Any) -> tuple[list[Any], Any]:
     if bool(items) == (clip is not None):
         raise APIError(400, "send either 'frames' (one or more images) or 'video' (one clip)",
                        "frames" if not items else "video")
-    if len(items) > limits.max_frames_per_push:
-        raise APIError(413, f"{len(items)} frames in one push; at most {limits.max_frames_per_push} "
-                            f"(--kv-stream-max-frames)", "frames")
-    return items, clip
+    return items, clip  # counted, with everything else read from the headers, by read_push
 
 
 def _max_pixels(stream_limit: int) -> int:

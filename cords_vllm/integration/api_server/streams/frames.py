@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import io
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,9 +95,10 @@ def _b64decode(payload: str, field: str) -> bytes:
         raise FrameError(field, "the data is not valid base64") from None
 
 
-def decode_image(data: bytes, field: str, max_pixels: int = 0) -> np.ndarray:
-    """One JPEG/PNG image -> ``[H, W, 3]`` uint8 RGB; its size is read from the header and checked against
-    ``max_pixels`` (413) before anything is decoded."""
+@contextlib.contextmanager
+def _opened_image(data: bytes, field: str, max_pixels: int) -> Iterator[Any]:
+    """A JPEG/PNG image opened from its header alone, its format and size (``max_pixels``: 413) checked; every
+    failure inside, the decoding of the ``with`` body included, is a :class:`FrameError` naming ``field``."""
     import warnings
 
     from PIL import Image, UnidentifiedImageError
@@ -111,13 +113,20 @@ def decode_image(data: bytes, field: str, max_pixels: int = 0) -> np.ndarray:
             if image.format not in ("JPEG", "PNG"):
                 raise FrameError(field, f"image format {image.format} is not supported; send JPEG or PNG")
             _check_pixels(*image.size, field, max_pixels)
-            return np.asarray(image.convert("RGB"))
+            yield image
     except Image.DecompressionBombError:  # PIL's own guard, past twice its MAX_IMAGE_PIXELS
         raise FrameError(field, "the image declares more pixels than PIL decodes (a decompression bomb)", 413) from None
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
         if isinstance(exc, FrameError):
             raise
         raise FrameError(field, "cannot be decoded as a JPEG or PNG image") from None
+
+
+def decode_image(data: bytes, field: str, max_pixels: int = 0) -> np.ndarray:
+    """One JPEG/PNG image -> ``[H, W, 3]`` uint8 RGB; its size is read from the header and checked against
+    ``max_pixels`` (413) before anything is decoded."""
+    with _opened_image(data, field, max_pixels) as image:
+        return np.asarray(image.convert("RGB"))
 
 
 def decode_clip(media_type: str, data: bytes, field: str, limits: FrameLimits | None = None) -> np.ndarray:
@@ -136,6 +145,11 @@ def decode_clip(media_type: str, data: bytes, field: str, limits: FrameLimits | 
     count, width, height = clip_header(data, media_type, field)
     _check_count(count, field, limits.max_frames)
     _check_pixels(width, height, field, limits.max_pixels)
+    return _decode_container(media_type, data, field, count, limits)
+
+
+def _decode_container(media_type: str, data: bytes, field: str, count: int, limits: FrameLimits) -> np.ndarray:
+    """The frames of a container clip whose header declared ``count`` (and no more) by vLLM's video loader."""
     from vllm.multimodal.media.image import ImageMediaIO
     from vllm.multimodal.media.video import VideoMediaIO
 
@@ -188,14 +202,6 @@ def stack_frames(frames: Sequence[np.ndarray], field: str) -> np.ndarray:
     return np.stack(frames)
 
 
-def check_frame_size(frames: np.ndarray, field: str, *, min_side: int, max_pixels: int) -> None:
-    """Reject frames smaller than ``min_side`` on a side (400) or larger than ``max_pixels`` pixels (413)."""
-    _, height, width, _ = frames.shape
-    if min(height, width) < min_side:
-        raise FrameError(field, f"frames are {width}x{height}; each side must be at least {min_side} pixels")
-    _check_pixels(width, height, field, max_pixels)
-
-
 # ------------------------------------------------------------------------------------------------------
 # A push, read from its headers, then decoded
 
@@ -224,27 +230,8 @@ class PushMedia:
 
 def image_size(data: bytes, field: str, max_pixels: int = 0) -> tuple[int, int]:
     """``(width, height)`` of a JPEG/PNG image, read from its header alone; ``max_pixels`` checked (413)."""
-    import warnings
-
-    from PIL import Image, UnidentifiedImageError
-
-    if not data:
-        raise FrameError(field, "the image is empty")
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # the size is checked below
-            with Image.open(io.BytesIO(data)) as image:
-                if image.format not in ("JPEG", "PNG"):
-                    raise FrameError(field, f"image format {image.format} is not supported; send JPEG or PNG")
-                width, height = image.size
-    except Image.DecompressionBombError:
-        raise FrameError(field, "the image declares more pixels than PIL decodes (a decompression bomb)", 413) from None
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
-        if isinstance(exc, FrameError):
-            raise
-        raise FrameError(field, "cannot be decoded as a JPEG or PNG image") from None
-    _check_pixels(width, height, field, max_pixels)
-    return width, height
+    with _opened_image(data, field, max_pixels) as image:
+        return image.size
 
 
 def read_push(items: Sequence[Any], clip: Any, limits: FrameLimits, min_side: int = 1) -> PushMedia:
@@ -306,8 +293,8 @@ def decode_push(media: PushMedia, max_pixels: int = 0) -> np.ndarray:
     """The push's frames, ``[T, H, W, 3]`` uint8, decoded into one array allocated once; a frame whose decoded size
     is not its header's is refused (400)."""
     if media.clip is not None:
-        media_type, data = media.clip
-        frames = decode_clip(media_type, data, media.field, FrameLimits(media.count, max_pixels))
+        media_type, data = media.clip  # its header was read and checked by read_push
+        frames = _decode_container(media_type, data, media.field, media.count, FrameLimits(media.count, max_pixels))
         if frames.shape[1:3] != (media.height, media.width):
             raise FrameError(media.field, f"decoded frames are {frames.shape[2]}x{frames.shape[1]}, the header "
                                           f"declared {media.width}x{media.height}")

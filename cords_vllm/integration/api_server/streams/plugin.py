@@ -25,7 +25,7 @@ from cords_vllm.integration.api_server.streams.ledger import PoolLedger
 from cords_vllm.integration.api_server.streams.push_bounds import PushBounds
 from cords_vllm.integration.api_server.streams.registry import StreamLimits, StreamRegistry
 from cords_vllm.integration.api_server.streams.siblings import LINK_KEY, SiblingLink, StreamForwarding
-from cords_vllm.integration.api_server.streams.turn_tokens import engine_clip_tokens, turn_counter, video_token_counter
+from cords_vllm.integration.api_server.streams.turn_tokens import engine_clip_tokens, turn_counter, video_processing
 from cords_vllm.integration.engine_facts import model_facts_of
 from cords_vllm.integration.published import metrics_dir
 from cords_vllm.integration.startup.cli_args import api_keys
@@ -55,9 +55,6 @@ def limits_from_args(args: argparse.Namespace) -> StreamLimits:
     push_mb, decode_mb = getattr(args, "kv_stream_max_push_mb", None), getattr(args, "kv_stream_decode_mb", None)
     push_bytes = int(push_mb * (1 << 20)) if push_mb else defaults.max_push_bytes
     decoded_bytes = int(decode_mb * (1 << 20)) if decode_mb else defaults.max_decoded_bytes
-    if decoded_bytes < push_bytes:
-        raise ValueError(f"--kv-stream-decode-mb ({decoded_bytes / (1 << 20):g}) must be at least "
-                         f"--kv-stream-max-push-mb ({push_bytes / (1 << 20):g}): one push could never be decoded")
     return StreamLimits(
         max_push_bytes=push_bytes, max_decoded_bytes=decoded_bytes,
         idle_timeout_s=getattr(args, "kv_stream_idle_timeout", None) or defaults.idle_timeout_s,
@@ -94,6 +91,7 @@ class StreamsPlugin:
         policy = policy_of(vllm_config, args)
         tokenizer = _tokenizer(engine_client)
         encode, facts = _encoder(tokenizer), model_facts_of(vllm_config)
+        video = video_processing(vllm_config) if "video" in facts.placeholder_token_ids else None
         limits = limits_from_args(args)
         pool_blocks = num_blocks - 1 if num_blocks else None  # block 0 is the null block
         index, count, engines = api_server_place(engine_client)
@@ -104,11 +102,11 @@ class StreamsPlugin:
                                   block_size=vllm_config.cache_config.block_size,
                                   max_model_len=vllm_config.model_config.max_model_len,
                                   count_text=_text_counter(encode, facts),
-                                  turn_tokens=turn_counter(encode, facts, vllm_config, tokenizer),
+                                  turn_tokens=turn_counter(encode, facts, video, tokenizer),
                                   ledger=ledger)
         registry.push_bounds = PushBounds(
             limits.max_push_bytes, max_clip_tokens=engine_clip_tokens(engine_client, registry.max_model_len),
-            video_tokens=video_token_counter(vllm_config) if "video" in facts.placeholder_token_ids else None,
+            video_tokens=video.tokens if video is not None else None,
             temporal_patch=facts.temporal_patch_size or 2)
         registry.unsupported, registry.markup = facts.streams_unsupported, facts.chat_markup
         registry.keyed = bool(api_keys(args))

@@ -127,7 +127,7 @@ class SiblingLink:
                 break
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope.get("headers", ())
                    if k.decode("latin-1").lower() not in _HOP_BY_HOP]
-        headers = [(k, v) for k, v in headers if k.lower() != FORWARDED_HEADER] + [(FORWARDED_HEADER, self.secret)]
+        headers.append((FORWARDED_HEADER, self.secret))  # a client's copy was taken off (StreamForwarding)
         target = scope.get("raw_path", scope["path"].encode()).decode("latin-1")
         if scope.get("query_string"):
             target += "?" + scope["query_string"].decode("latin-1")
@@ -153,8 +153,7 @@ class SiblingLink:
         """Every sibling's own streams (``GET /v1/streams`` answered locally there), as JSON objects."""
         import httpx
 
-        sent = [(k, v) for k, v in headers if k.lower() not in (*_HOP_BY_HOP, FORWARDED_HEADER)]
-        sent.append((FORWARDED_HEADER, self.secret))
+        sent = [(k, v) for k, v in headers if k.lower() not in _HOP_BY_HOP] + [(FORWARDED_HEADER, self.secret)]
 
         async def one(index: int) -> list[dict[str, Any]]:
             try:

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+from cords_vllm.integration.api_server.streams.push_bounds import VideoTokens
 from cords_vllm.model_facts import ModelFacts
 
 logger = logging.getLogger(__name__)
@@ -25,59 +27,57 @@ logger = logging.getLogger(__name__)
 TurnCounter = Callable[[str, Any, "dict[str, Any] | None"], tuple[int, int]]
 
 
-def turn_counter(encode: Callable[[str], list[int]] | None, facts: ModelFacts, vllm_config: Any,
-                 tokenizer: Any = None) -> TurnCounter | None:
-    """The turn counter of the served model, or ``None`` when it cannot count (the engine then checks each
-    turn's length itself, and ends the stream)."""
+@dataclass(frozen=True)
+class VideoProcessing:
+    """The served model's multimodal processor, created once in the API server, and ``tokens``: ``(width, height,
+    frames) -> video tokens`` of one clip (its processing info's ``get_num_video_tokens``, ``--mm-processor-kwargs``
+    applied, which applies the processor's resize and raises ``ValueError`` for a frame shape it refuses)."""
+
+    processor: Any
+    tokens: VideoTokens
+
+
+def video_processing(vllm_config: Any) -> VideoProcessing | None:
+    """The served model's :class:`VideoProcessing`, or ``None`` for a model without a video token count (the
+    engine then checks each push itself, and ends the stream on a refusal)."""
     from vllm.multimodal import MULTIMODAL_REGISTRY
 
+    try:
+        processor = MULTIMODAL_REGISTRY.create_processor(vllm_config.model_config)
+        count_video, image_processor = processor.info.get_num_video_tokens, processor.info.get_image_processor()
+    except Exception as exc:  # a model without a video token count
+        logger.warning("cords-vllm: cannot count a clip's video tokens (%s: %s): a push whose frames the processor "
+                       "refuses, or too long for the engine, ends its stream instead of being refused",
+                       type(exc).__name__, exc)
+        return None
+
+    def tokens(width: int, height: int, frames: int) -> int:
+        return int(count_video(image_width=width, image_height=height, num_frames=frames,
+                               image_processor=image_processor, mm_kwargs={}))
+    return VideoProcessing(processor, tokens)
+
+
+def turn_counter(encode: Callable[[str], list[int]] | None, facts: ModelFacts, video: VideoProcessing | None,
+                 tokenizer: Any = None) -> TurnCounter | None:
+    """The turn counter of the served model (``video``: its :func:`video_processing`), or ``None`` when it cannot
+    count (the engine then checks each turn's length itself, and ends the stream)."""
     placeholder = facts.placeholder_token_ids.get("video")
-    if placeholder is None:
+    if placeholder is None or video is None:
         return None
     if encode is None:
         logger.warning("cords-vllm: no tokenizer: a push longer than --max-model-len ends its stream instead of "
                        "being refused")
         return None
-    try:
-        processor = MULTIMODAL_REGISTRY.create_processor(vllm_config.model_config)
-        info = processor.info
-        count_video, image_processor = info.get_num_video_tokens, info.get_image_processor()
-    except Exception as exc:  # a model without a video token count
-        logger.warning("cords-vllm: cannot count a stream turn's tokens (%s: %s): a push longer than "
-                       "--max-model-len ends its stream instead of being refused", type(exc).__name__, exc)
-        return None
-    frame_text = _frame_text_counter(processor, info, tokenizer)
+    frame_text = _frame_text_counter(video.processor, video.processor.info, tokenizer)
 
     def turn_tokens(prompt: str, clip: Any, metadata: dict[str, Any] | None = None) -> tuple[int, int]:
         ids = encode(prompt)
         if clip is None:
             return len(ids), 0
-        frames, height, width = int(clip.shape[0]), int(clip.shape[1]), int(clip.shape[2])
-        video = int(count_video(image_width=width, image_height=height, num_frames=frames,
-                                image_processor=image_processor, mm_kwargs={}))
+        count = video.tokens(int(clip.shape[2]), int(clip.shape[1]), int(clip.shape[0]))
         text = frame_text(metadata) if frame_text is not None and metadata is not None else 0
-        return len(ids) - ids.count(placeholder) + video + text, video
+        return len(ids) - ids.count(placeholder) + count + text, count
     return turn_tokens
-
-
-def video_token_counter(vllm_config: Any) -> Callable[[int, int, int], int] | None:
-    """``(width, height, frames) -> video tokens`` of one clip of the served model (its processing info's
-    ``get_num_video_tokens``, which applies the processor's resize and raises ``ValueError`` for a frame shape it
-    refuses), or ``None`` for a model without one."""
-    from vllm.multimodal import MULTIMODAL_REGISTRY
-
-    try:
-        info = MULTIMODAL_REGISTRY.create_processor(vllm_config.model_config).info
-        count_video, image_processor = info.get_num_video_tokens, info.get_image_processor()
-    except Exception as exc:  # a model without a video token count
-        logger.warning("cords-vllm: cannot count a clip's video tokens (%s: %s): a push's frame shape and size are "
-                       "checked by the engine, which ends the stream on a refusal", type(exc).__name__, exc)
-        return None
-
-    def video_tokens(width: int, height: int, frames: int) -> int:
-        return int(count_video(image_width=width, image_height=height, num_frames=frames,
-                               image_processor=image_processor, mm_kwargs={}))
-    return video_tokens
 
 
 def engine_clip_tokens(engine_client: Any, max_model_len: int) -> int | None:
