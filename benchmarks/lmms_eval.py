@@ -122,7 +122,7 @@ def run_offline(checkpoint: Path, examples: Sequence[Any], budget: int, inputs: 
 
 def compressions(server: Any) -> float:
     """The server's compression counter now (published at most ~0.5 s after a change: wait that long)."""
-    from cords_vllm.integration.published import PUBLISH_INTERVAL_S
+    from cords_vllm.integration.handoff.published import PUBLISH_INTERVAL_S
     from cords_vllm.lab.bench.http import scrape
 
     time.sleep(2 * PUBLISH_INTERVAL_S)

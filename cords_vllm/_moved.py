@@ -1,4 +1,5 @@
-"""Deprecated module names: the modules that moved when the runtime, the vLLM seam and the lab were split.
+"""Deprecated module names: the modules that moved when the runtime, the vLLM seam and the lab were split, and
+when the seam's loose modules were sorted into ``integration.patch`` and ``integration.handoff``.
 
 Importing an old name (``cords_vllm.inprocess``, ``cords_vllm.synthetic.tiny_model``, ...) returns the module
 at its new home, under both names, with a :class:`DeprecationWarning` that names the new one. Installed by
@@ -21,7 +22,7 @@ MOVED: dict[str, str] = {
     "cords_vllm.introspect": "cords_vllm.integration.inprocess.introspect",
     "cords_vllm.cli_args": "cords_vllm.integration.startup.cli_args",
     "cords_vllm.startup_checks": "cords_vllm.integration.startup.checks",
-    "cords_vllm.version_guard": "cords_vllm.integration.version_guard",
+    "cords_vllm.version_guard": "cords_vllm.integration.patch.version_guard",
     "cords_vllm.streams.transcript": "cords_vllm.conversation.transcript",
     "cords_vllm.streams.text_budget": "cords_vllm.conversation.text_budget",
     "cords_vllm.streams": "cords_vllm.integration.api_server.streams",
@@ -33,6 +34,16 @@ MOVED: dict[str, str] = {
     "cords_vllm.serving": "cords_vllm.lab.serving",
     "cords_vllm.demo": "cords_vllm.lab.demo",
     "cords_vllm.demo_requests": "cords_vllm.lab.demo_requests",
+    # integration/'s root sorted into the patching mechanism and the hand-offs between processes
+    "cords_vllm.integration.patching": "cords_vllm.integration.patch.mechanism",
+    "cords_vllm.integration.patches": "cords_vllm.integration.patch.table",
+    "cords_vllm.integration.import_hooks": "cords_vllm.integration.patch.import_hooks",
+    "cords_vllm.integration.version_guard": "cords_vllm.integration.patch.version_guard",
+    "cords_vllm.integration.attach": "cords_vllm.integration.patch.attach",
+    "cords_vllm.integration.plans": "cords_vllm.integration.handoff.plans",
+    "cords_vllm.integration.published": "cords_vllm.integration.handoff.published",
+    "cords_vllm.integration.failures": "cords_vllm.integration.handoff.failures",
+    "cords_vllm.integration.engine_policy": "cords_vllm.integration.handoff.engine_policy",
 }
 
 

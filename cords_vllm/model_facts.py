@@ -110,6 +110,13 @@ class ModelFacts:
         return markup_for(self.model_type, bool(self.vision_markers))
 
     @property
+    def frames_per_patch(self) -> int:
+        """Frames a live stream's clip holds whole multiples of (an odd frame waits for the next push): the vision
+        encoder's temporal patch (:attr:`temporal_patch_size`, 2 for the Qwen-VL families), 2 where the model names
+        none."""
+        return self.temporal_patch_size or 2
+
+    @property
     def streams_unsupported(self) -> str | None:
         """Why the stream API cannot serve this model (``None``: it can). A stream's turns are written in the
         family's chat markup (:attr:`chat_markup`): the Qwen-VL families' ChatML or LLaVA-NeXT-Video's."""

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -19,7 +20,8 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engin
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from cords_vllm.integration.inprocess.heap import settle_if_thawed
+from cords_vllm.integration.inprocess import llm as inprocess_llm
+from cords_vllm.integration.inprocess.heap import settle, settle_if_thawed
 from cords_vllm.lab.synthetic import TinyModelSpec, build_tiny_qwen2vl
 from cords_vllm.threads import intra_op_threads
 
@@ -34,6 +36,16 @@ def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
     than half of a short engine test)."""
     settle_if_thawed()
     yield
+
+
+@pytest.fixture
+def make_llm() -> Iterator[Callable[..., Any]]:
+    """:func:`cords_vllm.integration.inprocess.llm.make_llm`, and the heap settled after the test, whose engines are
+    dropped with it (:func:`~cords_vllm.integration.inprocess.heap.settle`: what they left collected once, what
+    survives frozen, before the next test starts one). A test that starts another engine after dropping one settles
+    between the two itself."""
+    yield inprocess_llm.make_llm
+    settle()
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -286,7 +286,7 @@ def _chat(server: Any, model: str, frames: Any, max_tokens: int) -> Answer:
 
 def _stream(server: Any, workload: Workload, compressed: bool) -> str:
     from cords_vllm.client import StreamClient
-    from cords_vllm.integration.published import await_published
+    from cords_vllm.integration.handoff.published import await_published
     from cords_vllm.lab.synthetic import make_video, video_tokens
 
     client = StreamClient(server.base_url, timeout=300)
@@ -373,7 +373,7 @@ def _with_cause(row: Row, log: str) -> Row:
 
 
 def _workload_rows(run: ServerRun, server: Any, workload: Workload) -> None:
-    from cords_vllm.integration.published import await_published
+    from cords_vllm.integration.handoff.published import await_published
     from cords_vllm.lab.bench.http import scrape
     from cords_vllm.lab.synthetic import make_video
 

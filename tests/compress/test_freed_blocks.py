@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from cords_vllm.compress.plan import CandidateSpans, CompressionPlan, RebasePlan
-from cords_vllm.integration.plans import ZERO_FIELD, attach_plans, plans_of
+from cords_vllm.integration.handoff.plans import ZERO_FIELD, attach_plans, plans_of
 
 
 def _plan(req_id: str, src: tuple[int, ...], keep_blocks: int, block_size: int = 4) -> CompressionPlan:

@@ -119,14 +119,14 @@ def main(platform: str, role: str) -> dict:
         if platform == "cuda":
             import vllm.v1.worker.gpu.model_runner
     if os.environ.get("PROBE_RESOLVE_WHOLE_TABLE") == "1":  # the negative control: the table as it was resolved
-        from cords_vllm.integration import patches
+        from cords_vllm.integration.patch import table
 
-        patches.install_all()
+        table.install_all()
 
-    from cords_vllm.integration import patches
-    from cords_vllm.integration.patching import installed
+    from cords_vllm.integration.patch import table
+    from cords_vllm.integration.patch.mechanism import installed
 
-    imported = [e for e in patches.TABLE if e.target.partition(":")[0] in sys.modules]
+    imported = [e for e in table.TABLE if e.target.partition(":")[0] in sys.modules]
     return {
         "platform": str(current_platform.device_type),
         "cpu_worker_modules": sorted(m for m in sys.modules if m.startswith("vllm.v1.worker.cpu")),

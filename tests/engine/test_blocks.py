@@ -7,9 +7,7 @@ import time
 import pytest
 
 from cords_vllm.config import kv_policy_args
-from cords_vllm.integration.inprocess.heap import settle
 from cords_vllm.integration.inprocess.introspect import scheduler_of, snapshot
-from cords_vllm.integration.inprocess.llm import make_llm
 from cords_vllm.utils import cdiv
 from tests.engine.conftest import BLOCK, CHUNK, TEXT_PROMPT, VIDEO_PROMPT, run_engine, video
 
@@ -35,7 +33,7 @@ def test_held_blocks_obey_the_bound_and_all_return(tiny_model):
     assert run.free_blocks_after == run.free_blocks_before
 
 
-def _engine(model):
+def _engine(make_llm, model):
     return make_llm(model, block_size=BLOCK, max_num_batched_tokens=4096, max_num_scheduled_tokens=CHUNK,
                     **kv_policy_args("cords", budget=BUDGET, slack=SLACK))
 
@@ -61,8 +59,8 @@ def _add(llm, req_id, frames):
                                SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
 
 
-def test_abort_mid_prefill_returns_every_block_and_state(tiny_model):
-    llm = _engine(tiny_model)
+def test_abort_mid_prefill_returns_every_block_and_state(tiny_model, make_llm):
+    llm = _engine(make_llm, tiny_model)
     scheduler = scheduler_of(llm)
     free = snapshot(llm).free_blocks
     _add(llm, "victim", video(64))
@@ -79,15 +77,13 @@ def test_abort_mid_prefill_returns_every_block_and_state(tiny_model):
     state = snapshot(llm)
     assert state.free_blocks == free
     assert state.requests == {} and state.held_by_workers == {}
-    del scheduler, llm
-    settle()
 
 
-def test_forced_preemption_after_compression_recomputes_exactly(tiny_model):
+def test_forced_preemption_after_compression_recomputes_exactly(tiny_model, make_llm):
     frames = video(64)
     solo = run_engine(tiny_model, [{"prompt": VIDEO_PROMPT, "multi_modal_data": {"video": frames}}], "cords",
                       max_tokens=4, budget=BUDGET, slack=SLACK)
-    llm = _engine(tiny_model)
+    llm = _engine(make_llm, tiny_model)
     scheduler = scheduler_of(llm)
     free = snapshot(llm).free_blocks
     _add(llm, "r", frames)
@@ -104,8 +100,6 @@ def test_forced_preemption_after_compression_recomputes_exactly(tiny_model):
     llm.llm_engine.step()
     state = snapshot(llm)
     assert state.free_blocks == free and state.held_by_workers == {}
-    del scheduler, llm
-    settle()
 
 
 def test_bf16_engine_compresses_with_the_packed_layout(tiny_model):

@@ -110,7 +110,7 @@ def test_a_compression_that_fails_ends_its_request_alone(llm, monkeypatch, where
 
 def test_a_worker_with_no_scheduler_in_its_process_is_told_so(monkeypatch):
     """With workers in processes of their own nothing reaches the scheduler: the worker must not carry on."""
-    from cords_vllm.integration import failures
+    from cords_vllm.integration.handoff import failures
 
     monkeypatch.setattr(failures, "_schedulers", 0)
     monkeypatch.setattr(failures, "_reported", {})

@@ -18,7 +18,6 @@ from PIL import Image
 
 from cords_vllm.config import kv_policy_args
 from cords_vllm.integration.inprocess.heap import settle
-from cords_vllm.integration.inprocess.llm import make_llm
 from cords_vllm.lab.synthetic import TinyModelSpec, build_tiny_model
 from tests.engine.conftest import (
     BLOCK,
@@ -120,7 +119,7 @@ def test_frames_sent_as_images_are_compressed_and_exact(family):
     assert _compare(run, ref) < TOL
 
 
-def test_a_live_stream_is_compressed_across_turns_and_equals_the_reference(family):
+def test_a_live_stream_is_compressed_across_turns_and_equals_the_reference(family, make_llm):
     """A stream of 8 clips, re-based as it goes: its answer equals the HF reference over the whole stream that
     drops the same tokens at the same points, and closing it returns every block."""
     _, path, reference = family
@@ -136,7 +135,6 @@ def test_a_live_stream_is_compressed_across_turns_and_equals_the_reference(famil
     assert run.free_after == run.free_before
     assert run.held.evicted_tokens > 0, "the stream was re-based: evicted tokens left its request"
     del llm
-    settle()
     evictions = evictions_of(events)
     assert len(evictions) >= 3
     prompt = "".join(texts) + question

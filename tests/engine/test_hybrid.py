@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from cords_vllm.config import KVPolicyConfigError
-from cords_vllm.integration import plans
+from cords_vllm.integration.handoff import plans
 from cords_vllm.integration.startup.checks import EXPERIMENTAL_HYBRID_ENV, check_attention
 from cords_vllm.lab.synthetic import TinyModelSpec, build_tiny_model
 from tests.engine.conftest import VIDEO_PROMPT, assert_exact_with_control, run_engine, video

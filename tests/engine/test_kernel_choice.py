@@ -16,8 +16,6 @@ import pytest
 import cords_vllm.integration.worker.compressor as compressor
 from cords_vllm.compress import kernel_warmup
 from cords_vllm.config import KVPolicyConfig, KVPolicyConfigError, kv_policy_args
-from cords_vllm.integration.inprocess.heap import settle
-from cords_vllm.integration.inprocess.llm import make_llm
 from cords_vllm.integration.worker.hooks import attached_compressor
 from cords_vllm.selection import cords_triton
 from tests.engine.conftest import BLOCK, CHUNK, VIDEO_PROMPT, run_engine, video
@@ -70,7 +68,7 @@ def _warmup(worker):
     return attached_compressor(worker.model_runner).warmup
 
 
-def test_the_kernels_compile_at_start_up_for_every_width_the_videos_take(tiny_model, monkeypatch):
+def test_the_kernels_compile_at_start_up_for_every_width_the_videos_take(tiny_model, monkeypatch, make_llm):
     """The worker compiles its kernels when the engine starts (here their variants are listed: the interpreter has
     nothing to compile), and the compressions of videos of several lengths, at the server's budget and at budgets
     requests narrowed it to, launch only variants it compiled."""
@@ -102,7 +100,6 @@ def test_the_kernels_compile_at_start_up_for_every_width_the_videos_take(tiny_mo
                      SamplingParams(temperature=0.0, max_tokens=1, extra_args={"kv_policy": {"budget": budget}}),
                      use_tqdm=False)
     del llm
-    settle()
     warmed = {specialization(v.kernel, v.args, v.kwargs) for v in report.variants if v.name == "greedy"}
     blocks = {dict(fixed)["BLOCK"] for fixed, _ in launched}
     assert len(blocks) >= 2, blocks  # compressions of several widths

@@ -8,7 +8,6 @@ from cords_vllm.compress.plan import BudgetSettings, stream_footprint_blocks
 from cords_vllm.config import kv_policy_args
 from cords_vllm.integration.inprocess.heap import settle
 from cords_vllm.integration.inprocess.introspect import snapshot
-from cords_vllm.integration.inprocess.llm import make_llm
 from cords_vllm.integration.inprocess.session import EngineSession
 from cords_vllm.lab.bench.offline import kv_bytes_per_block
 from tests.engine.conftest import BLOCK, video
@@ -20,20 +19,20 @@ BUDGET, SLACK, MAX_TEXT = 192, 64, 128
 CLIP = "<|vision_start|><|video_pad|><|vision_end|>"
 
 
-def _llm(model, max_model_len: int, pool: int = POOL, **config):
+def _llm(make_llm, model, max_model_len: int, pool: int = POOL, **config):
     pool_bytes = (pool + 1) * kv_bytes_per_block(model, BLOCK, 4)  # + the null block
     return make_llm(model, block_size=BLOCK, max_model_len=max_model_len, max_num_batched_tokens=max_model_len,
                     max_num_scheduled_tokens=512, kv_cache_memory_bytes=pool_bytes,
                     **kv_policy_args("cords", budget=BUDGET, slack=SLACK, **config))
 
 
-def test_without_max_text_tokens_vllm_still_asks_for_one_max_model_len_request(tiny_model):
+def test_without_max_text_tokens_vllm_still_asks_for_one_max_model_len_request(tiny_model, make_llm):
     footprint = r"footprint does not fit.*'max_text_tokens'.*default min\(max-model-len, 8192\)"
     with pytest.raises(ValueError, match=footprint):
-        _llm(tiny_model, max_model_len=4 * POOL * BLOCK)
+        _llm(make_llm, tiny_model, max_model_len=4 * POOL * BLOCK)
 
 
-def test_by_default_the_pool_must_hold_the_footprint_of_8192_text_tokens_not_max_model_len(tiny_model):
+def test_by_default_the_pool_must_hold_the_footprint_of_8192_text_tokens_not_max_model_len(tiny_model, make_llm):
     from cords_vllm.config import KVPolicyConfig
 
     assert KVPolicyConfig.parse("cords", {}).text_limit(32768) == 8192
@@ -50,10 +49,10 @@ def test_by_default_the_pool_must_hold_the_footprint_of_8192_text_tokens_not_max
         make_llm(tiny_model, **engine)
 
 
-def test_a_stream_runs_to_twenty_pools_with_flat_blocks(tiny_model):
+def test_a_stream_runs_to_twenty_pools_with_flat_blocks(tiny_model, make_llm):
     pushes = 20 * POOL * BLOCK // 128 + 1  # 128 video tokens a push
     # --max-model-len need not cover what the stream pushes: a re-based stream's length is what it holds
-    llm = _llm(tiny_model, max_model_len=1024, max_text_tokens=MAX_TEXT)
+    llm = _llm(make_llm, tiny_model, max_model_len=1024, max_text_tokens=MAX_TEXT)
     free = snapshot(llm).free_blocks
     assert free == POOL  # the pool really is smaller than the stream by 20x
     bound = stream_footprint_blocks(MAX_TEXT, BudgetSettings(BUDGET, BUDGET // 4, SLACK), BLOCK)
@@ -73,26 +72,22 @@ def test_a_stream_runs_to_twenty_pools_with_flat_blocks(tiny_model):
     assert len(answer) == 1
     session.close()
     assert snapshot(llm).free_blocks == free
-    del llm
-    settle()
 
 
-def test_a_request_with_more_text_than_max_text_tokens_ends_with_an_error(tiny_model):
+def test_a_request_with_more_text_than_max_text_tokens_ends_with_an_error(tiny_model, make_llm):
     from vllm import SamplingParams
 
-    llm = _llm(tiny_model, max_model_len=4 * POOL * BLOCK, max_text_tokens=MAX_TEXT)
+    llm = _llm(make_llm, tiny_model, max_model_len=4 * POOL * BLOCK, max_text_tokens=MAX_TEXT)
     long_text = "<|im_start|>user\n" + "describe the scene " * 60 + "<|im_end|>\n<|im_start|>assistant\n"
     short_text = "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
     outs = llm.generate([long_text, short_text], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
     assert outs[0].outputs[0].finish_reason == "error"
     assert outs[1].outputs[0].finish_reason == "length" and len(outs[1].outputs[0].token_ids) == 2
     assert snapshot(llm).free_blocks == POOL
-    del llm
-    settle()
 
 
 @pytest.mark.parametrize("policy", ["cords", "none"])
-def test_a_session_past_max_model_len_ends_alone_and_the_engine_serves_on(tiny_model, policy):
+def test_a_session_past_max_model_len_ends_alone_and_the_engine_serves_on(tiny_model, policy, make_llm):
     """vLLM checks a request's length only when it arrives; a session grows with every turn. The turn that takes
     it to --max-model-len ends it with an error (its reason published by its external id) before any step
     schedules it: the engine, and every other session, serve on. Under a policy a stream's length is what it
@@ -104,7 +99,7 @@ def test_a_session_past_max_model_len_ends_alone_and_the_engine_serves_on(tiny_m
 
     max_len = 1024
     if policy == "cords":
-        llm = _llm(tiny_model, max_model_len=max_len, pool=2 * POOL, max_text_tokens=max_len)
+        llm = _llm(make_llm, tiny_model, max_model_len=max_len, pool=2 * POOL, max_text_tokens=max_len)
     else:
         # room for both sessions at full length: without a policy, a pool full of sessions stalls them all
         pool_bytes = (2 * max_len // BLOCK + 1) * kv_bytes_per_block(tiny_model, BLOCK, 4)
@@ -131,8 +126,6 @@ def test_a_session_past_max_model_len_ends_alone_and_the_engine_serves_on(tiny_m
     assert len(answer) == 2 and snapshot(llm).requests[other.request_id].candidate_tokens == other_tokens
     other.close()
     assert snapshot(llm).free_blocks == free
-    del llm
-    settle()
 
 
 def test_only_a_session_is_ended_for_its_length_and_only_when_no_token_fits():
@@ -145,12 +138,12 @@ def test_only_a_session_is_ended_for_its_length_and_only_when_no_token_fits():
     assert length_reason(SimpleNamespace(resumable=False, num_tokens=5000), 1024) is None  # vLLM checked it
 
 
-def test_a_streams_host_state_stays_bounded_by_what_it_holds_across_50_pushes(tiny_model):
+def test_a_streams_host_state_stays_bounded_by_what_it_holds_across_50_pushes(tiny_model, make_llm):
     """Re-based at every turn: the request's token lists, row, inputs and the worker's positions follow what the
     stream holds plus one clip, never what it pushed (50 pushes: 6,500 tokens, past --max-model-len)."""
     from cords_vllm.integration.inprocess.introspect import host_lengths
 
-    llm = _llm(tiny_model, max_model_len=1024, max_text_tokens=MAX_TEXT)
+    llm = _llm(make_llm, tiny_model, max_model_len=1024, max_text_tokens=MAX_TEXT)
     session = EngineSession(llm, "camera")
     lengths = []
     for i in range(50):
@@ -168,8 +161,6 @@ def test_a_streams_host_state_stays_bounded_by_what_it_holds_across_50_pushes(ti
     answer = session.push({"prompt": "What color was the square?<|im_end|>\n<|im_start|>assistant\n"})
     assert len(answer) == 1
     session.close()
-    del llm
-    settle()
 
 
 def _next_position(llm, req_id):
@@ -180,7 +171,7 @@ def _next_position(llm, req_id):
 
 
 @pytest.mark.slow  # the same limit over HTTP, in the default suite: tests/streams/test_stream_limits.py
-def test_a_stream_passes_its_rotary_range_in_tokens_answers_and_ends_at_its_position_range(short_range_model):
+def test_a_stream_passes_its_rotary_range_in_tokens_answers_and_ends_at_its_position_range(short_range_model, make_llm):
     """A 4-frame clip is 130 tokens but 10 positions: a stream passes max_position_embeddings (1024) in tokens
     and keeps answering; the turn whose positions would pass the range ends it alone, with the reason."""
     from cords_vllm.integration.engine_core.hooks import scheduler_hooks
@@ -188,7 +179,7 @@ def test_a_stream_passes_its_rotary_range_in_tokens_answers_and_ends_at_its_posi
     from cords_vllm.integration.inprocess.session import SessionClosed
     from tests.conftest import SHORT_RANGE
 
-    llm = _llm(short_range_model, max_model_len=512, max_text_tokens=MAX_TEXT)
+    llm = _llm(make_llm, short_range_model, max_model_len=512, max_text_tokens=MAX_TEXT)
     free = snapshot(llm).free_blocks
     other = EngineSession(llm, "other")
     other.push({"prompt": "<|im_start|>user\n" + CLIP, "multi_modal_data": {"video": video(4, seed=1)}})
@@ -209,11 +200,9 @@ def test_a_stream_passes_its_rotary_range_in_tokens_answers_and_ends_at_its_posi
     assert len(other.push(question, max_tokens=2)) == 2  # the engine, and the other stream, serve on
     other.close()
     assert snapshot(llm).free_blocks == free
-    del llm
-    settle()
 
 
-def test_streams_filling_the_pool_to_their_footprints_are_never_preempted(tiny_model):
+def test_streams_filling_the_pool_to_their_footprints_are_never_preempted(tiny_model, make_llm):
     """A re-based stream can no longer be recomputed from its own tokens, so it must never be preempted:
     admission by footprint guarantees it. Four streams whose footprints fill the pool exactly push clips turn
     by turn, all at once; none is ever preempted, and each answers."""
@@ -222,7 +211,7 @@ def test_streams_filling_the_pool_to_their_footprints_are_never_preempted(tiny_m
 
     settings = BudgetSettings(BUDGET, BUDGET // 4, SLACK)
     footprint = stream_footprint_blocks(MAX_TEXT, settings, BLOCK)
-    llm = _llm(tiny_model, max_model_len=1024, pool=4 * footprint, max_text_tokens=MAX_TEXT)
+    llm = _llm(make_llm, tiny_model, max_model_len=1024, pool=4 * footprint, max_text_tokens=MAX_TEXT)
     scheduler = scheduler_of(llm)
     sessions = [EngineSession(llm, f"camera-{i}") for i in range(4)]
     for push in range(12):
@@ -239,18 +228,16 @@ def test_streams_filling_the_pool_to_their_footprints_are_never_preempted(tiny_m
         session.abort()
     llm.llm_engine.step()  # aborted requests reach the workers with the next step
     assert snapshot(llm).free_blocks == 4 * footprint
-    del llm
-    settle()
 
 
-def test_a_rebased_stream_the_scheduler_must_preempt_ends_alone_with_its_reason(tiny_model):
+def test_a_rebased_stream_the_scheduler_must_preempt_ends_alone_with_its_reason(tiny_model, make_llm):
     """Should the pool still run out (it cannot through admission), preempting a re-based stream would recompute
     it from tokens it no longer has: it is ended, with its reason, instead."""
     from cords_vllm.integration.engine_core.hooks import scheduler_hooks
     from cords_vllm.integration.inprocess.introspect import scheduler_of
     from cords_vllm.integration.inprocess.session import SessionClosed
 
-    llm = _llm(tiny_model, max_model_len=1024, max_text_tokens=MAX_TEXT)
+    llm = _llm(make_llm, tiny_model, max_model_len=1024, max_text_tokens=MAX_TEXT)
     free = snapshot(llm).free_blocks
     scheduler = scheduler_of(llm)
     session = EngineSession(llm, "camera")
@@ -269,5 +256,3 @@ def test_a_rebased_stream_the_scheduler_must_preempt_ends_alone_with_its_reason(
     assert "cannot be recomputed" in scheduler_hooks(scheduler).publisher.ended["camera"]
     llm.llm_engine.step()
     assert snapshot(llm).free_blocks == free
-    del llm
-    settle()

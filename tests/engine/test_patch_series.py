@@ -12,7 +12,7 @@ from pathlib import Path
 
 import vllm
 
-from cords_vllm.integration.version_guard import is_supported
+from cords_vllm.integration.patch.version_guard import is_supported
 
 SERIES = sorted((Path(__file__).resolve().parents[2] / "patches").glob("*.patch"))
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cords_vllm.integration.patching import (
+from cords_vllm.integration.patch.mechanism import (
     MARKER,
     Call,
     Drains,
@@ -98,28 +98,28 @@ def test_calls_fields_and_drains_are_checked_before_anything_changes(fake_module
 
 
 def test_one_table_holds_every_vllm_function_the_plugin_wraps_or_calls():
-    from cords_vllm.integration import patches
+    from cords_vllm.integration.patch import table
 
-    patches.install_all()  # every entry of every platform matches this vLLM
-    wrapped = [e for e in patches.TABLE if isinstance(e, Patch | Field)]
-    assert installed(patches.TABLE) == wrapped
-    for entry in patches.TABLE:
+    table.install_all()  # every entry of every platform matches this vLLM
+    wrapped = [e for e in table.TABLE if isinstance(e, Patch | Field)]
+    assert installed(table.TABLE) == wrapped
+    for entry in table.TABLE:
         assert entry.why, entry.target
         upstream = getattr(entry, "upstream", None)
         assert upstream is None or (REPO / upstream).is_file(), upstream
-    assert len({e.upstream for e in patches.patches() if e.upstream}) == 5  # patches/0001..0005
-    private = {e.target for e in patches.TABLE
+    assert len({e.upstream for e in table.patches() if e.upstream}) == 5  # patches/0001..0005
+    private = {e.target for e in table.TABLE
                if isinstance(e, Call) and e.target.partition(":")[2].rsplit(".", 1)[-1].startswith("_")}
     assert "vllm.v1.core.kv_cache_utils:_pool_bytes_per_block" in private
-    assert [e for g in patches.GROUPS for e in g.entries] == list(patches.TABLE)
+    assert [e for g in table.GROUPS for e in g.entries] == list(table.TABLE)
     # a policy's groups are the only ones an engine under none leaves out
-    assert {g.name for g in patches.GROUPS if not g.under_none} == {"engine core: policy", "workers: policy"}
-    assert {e.platform for e in patches.TABLE} == {None, "cpu"}
+    assert {g.name for g in table.GROUPS if not g.under_none} == {"engine core: policy", "workers: policy"}
+    assert {e.platform for e in table.TABLE} == {None, "cpu"}
 
 
 def test_entries_are_installed_when_their_module_is_imported_and_never_import_it(tmp_path, monkeypatch):
-    from cords_vllm.integration import import_hooks
-    from cords_vllm.integration.patching import install_when_imported
+    from cords_vllm.integration.patch import import_hooks
+    from cords_vllm.integration.patch.mechanism import install_when_imported
 
     (tmp_path / "late_vllm_module.py").write_text("class Runner:\n    def step(self):\n        return 'stepped'\n")
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -137,7 +137,7 @@ def test_entries_are_installed_when_their_module_is_imported_and_never_import_it
 
 
 def test_a_policy_announced_none_defers_the_policy_groups_until_one_is_enabled(monkeypatch):
-    from cords_vllm.integration import engine_policy
+    from cords_vllm.integration.handoff import engine_policy
 
     monkeypatch.setenv(engine_policy.ENV, "none")
     ran = []
@@ -154,5 +154,5 @@ def test_a_policy_announced_none_defers_the_policy_groups_until_one_is_enabled(m
 def test_the_plugin_installs_nothing_but_the_one_table():
     """No module of the runtime calls the install mechanism except the table itself."""
     offenders = [str(p.relative_to(REPO)) for p in (REPO / "cords_vllm").rglob("*.py")
-                 if "install_entries(" in p.read_text() and p.name != "patches.py"]
+                 if "install_entries(" in p.read_text() and p.name != "table.py"]
     assert offenders == []

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from cords_vllm.integration import patches
-from cords_vllm.integration.engine_policy import ENV
-from cords_vllm.integration.patching import for_platform, module_of
+from cords_vllm.integration.handoff.engine_policy import ENV
+from cords_vllm.integration.patch import table
+from cords_vllm.integration.patch.mechanism import for_platform, module_of
 
 PROBE = Path(__file__).with_name("platform_probe.py")
 REPO = Path(__file__).resolve().parents[2]
@@ -73,7 +73,7 @@ def test_the_probe_sees_the_cpu_worker_when_it_is_loaded(probes):
 
 def test_policy_hooks_reach_a_cuda_worker_only_under_a_policy(probes):
     cords, none = probes["cuda worker, cords"], probes["cuda worker, none"]
-    worker_patches = {e.target for e in patches.WORKER if e.platform in (None, "cuda") and not e.target.startswith(
+    worker_patches = {e.target for e in table.WORKER if e.platform in (None, "cuda") and not e.target.startswith(
         "vllm._custom_ops")}
     assert worker_patches <= set(cords["installed"])
     assert none["installed"] == []  # under none the worker runs vLLM's code alone
@@ -111,8 +111,8 @@ REVIEWED_MODULES = {
 
 @pytest.mark.parametrize("platform", ["cuda", "cpu", "rocm"])
 def test_the_modules_the_table_resolves_per_platform_are_reviewed(platform):
-    common = {module_of(e) for e in for_platform(patches.TABLE, "no such platform")}
-    own = {module_of(e) for e in for_platform(patches.TABLE, platform)}
+    common = {module_of(e) for e in for_platform(table.TABLE, "no such platform")}
+    own = {module_of(e) for e in for_platform(table.TABLE, platform)}
     assert common == REVIEWED_MODULES["common"]
     assert own == common | REVIEWED_MODULES.get(platform, set())
     assert not any(m.startswith("vllm.v1.worker.cpu") for m in own) or platform == "cpu"

@@ -9,7 +9,6 @@ import pytest
 from cords_vllm.config import kv_policy_args
 from cords_vllm.integration.inprocess.heap import settle
 from cords_vllm.integration.inprocess.introspect import scheduler_of, snapshot
-from cords_vllm.integration.inprocess.llm import make_llm
 from tests.engine.conftest import BLOCK, CHUNK, TEXT_PROMPT, VIDEO_PROMPT, video
 
 pytestmark = pytest.mark.engine
@@ -44,14 +43,14 @@ def _generate(llm, prompts: list[dict]) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def _llm(model: str, caching: bool, budget: int):
+def _llm(make_llm, model: str, caching: bool, budget: int):
     return make_llm(model, block_size=BLOCK, max_num_batched_tokens=4096, max_num_scheduled_tokens=CHUNK,
                     enable_prefix_caching=caching, **kv_policy_args("cords", budget=budget, slack=64))
 
 
-def test_requests_the_policy_never_compresses_use_the_cache(tiny_model, cache_hits):
+def test_requests_the_policy_never_compresses_use_the_cache(tiny_model, cache_hits, make_llm):
     """Text, and a video within budget + slack: the second identical request finds the first one's blocks."""
-    llm = _llm(tiny_model, caching=True, budget=FRAMES * 32)
+    llm = _llm(make_llm, tiny_model, caching=True, budget=FRAMES * 32)
     scheduler = scheduler_of(llm)
     assert scheduler.kv_cache_manager.enable_caching
     text = {"prompt": TEXT_PROMPT * 8}
@@ -63,18 +62,16 @@ def test_requests_the_policy_never_compresses_use_the_cache(tiny_model, cache_hi
     assert second == first[:1] and third == first[1:]
     assert len({r for r, _ in cache_hits}) == 2 and all(n >= BLOCK for _, n in cache_hits)
     assert snapshot(llm).compressions == 0
-    del llm
-    settle()
 
 
-def test_requests_the_policy_compresses_bypass_the_cache_and_keep_their_tokens(tiny_model, cache_hits):
+def test_requests_the_policy_compresses_bypass_the_cache_and_keep_their_tokens(tiny_model, cache_hits, make_llm):
     """A video over budget + slack: compressed as with the cache off, never found in it, never filling it, and
     never reading it, not even the blocks of a cached text request with the same system prompt."""
     clip = {"prompt": SYSTEM + VIDEO_PROMPT, "multi_modal_data": {"video": video(FRAMES, seed=2)}}
     text = {"prompt": SYSTEM + TEXT_PROMPT}
     runs, compressions = {}, {}
     for caching in (False, True):
-        llm = _llm(tiny_model, caching=caching, budget=128)
+        llm = _llm(make_llm, tiny_model, caching=caching, budget=128)
         _generate(llm, [text])  # fills the cache with the system prompt's blocks (when on)
         runs[caching] = (_generate(llm, [clip]), _generate(llm, [clip]))
         state = snapshot(llm)

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from cords_vllm.integration.published import await_published
+from cords_vllm.integration.handoff.published import await_published
 from cords_vllm.lab.bench.http import run_http, scrape
 from cords_vllm.lab.bench.workload import VideoWorkload
 from cords_vllm.lab.serving.process import VLLMServer, server_env, vllm_executable

@@ -15,7 +15,7 @@ import pytest
 
 from cords_vllm.client import frame_data_url
 from cords_vllm.compress.plan import BudgetSettings, compressed_footprint_blocks
-from cords_vllm.integration.published import PUBLISH_INTERVAL_S, await_published
+from cords_vllm.integration.handoff.published import PUBLISH_INTERVAL_S, await_published
 from cords_vllm.lab.bench.http import scrape
 from cords_vllm.lab.serving.process import VLLMServer
 from cords_vllm.lab.vqa import VideoGeometry, make_split, shipped_checkpoint

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from cords_vllm.integration.published import await_published
+from cords_vllm.integration.handoff.published import await_published
 from cords_vllm.lab.bench.http import scrape
 from cords_vllm.lab.serving.process import VLLMServer
 from cords_vllm.lab.synthetic import make_video, mp4_data_url

@@ -7,9 +7,9 @@ import torch
 
 from cords_vllm.compress.plan import BudgetSettings, compressed_footprint_blocks
 from cords_vllm.config import kv_policy_args
+from cords_vllm.integration.inprocess import llm as inprocess_llm
 from cords_vllm.integration.inprocess.heap import settle
 from cords_vllm.integration.inprocess.introspect import record_steps, snapshot
-from cords_vllm.integration.inprocess.llm import make_llm
 from cords_vllm.integration.inprocess.session import EngineSession
 from tests.engine.conftest import BLOCK, chunks_for, evictions_of, video
 
@@ -23,7 +23,7 @@ CLIP = "<|vision_start|><|video_pad|><|vision_end|>"
 QUESTION = "What color was the square?<|im_end|>\n<|im_start|>assistant\n"
 
 
-def _llm(model, policy="cords"):
+def _llm(make_llm, model, policy="cords"):
     kwargs = {"block_size": BLOCK, "max_num_batched_tokens": 4096, "max_num_scheduled_tokens": 256,
               "limit_mm_per_prompt": {"image": 0, "video": PUSHES}}
     if policy != "none":
@@ -45,7 +45,7 @@ def _prompt(text, clip):
 
 @pytest.fixture(scope="module")
 def session_run(tiny_model):
-    llm = _llm(tiny_model)
+    llm = _llm(inprocess_llm.make_llm, tiny_model)
     steps = record_steps(llm)
     free = snapshot(llm).free_blocks
     session = EngineSession(llm, "camera-0")
@@ -84,10 +84,10 @@ def test_a_session_is_compressed_across_turns_and_stays_bounded(session_run):
     assert session_run["free_after"] == session_run["free_before"]  # closing returns every block
 
 
-def test_answers_and_kept_tokens_equal_the_one_shot_request_and_hf(tiny_model, session_run, hf_reference):
+def test_answers_and_kept_tokens_equal_the_one_shot_request_and_hf(tiny_model, session_run, hf_reference, make_llm):
     """A question answered mid-stream equals a one-shot request over the same tokens, compressions included,
     and the HF reference that drops the same tokens at the same points."""
-    llm = _llm(tiny_model)
+    llm = _llm(make_llm, tiny_model)
     from vllm import SamplingParams
 
     turns = list(_turns())
@@ -117,13 +117,11 @@ def test_answers_and_kept_tokens_equal_the_one_shot_request_and_hf(tiny_model, s
     ref_lp = ref.logits.log_softmax(-1)
     top = outs[-1].outputs[0].logprobs[0]
     assert max(abs(lp.logprob - float(ref_lp[0, t])) for t, lp in top.items()) < 2e-4
-    del llm
-    settle()
 
 
 @pytest.mark.parametrize("where", ["mid-push", "mid-question", "waiting"])
-def test_ending_a_session_anywhere_returns_every_block(tiny_model, where):
-    llm = _llm(tiny_model)
+def test_ending_a_session_anywhere_returns_every_block(tiny_model, where, make_llm):
+    llm = _llm(make_llm, tiny_model)
     free = snapshot(llm).free_blocks
     session = EngineSession(llm, "camera-1")
     for i in range(3):
@@ -143,5 +141,3 @@ def test_ending_a_session_anywhere_returns_every_block(tiny_model, where):
     llm.llm_engine.step()  # aborted requests reach the workers with the next step
     state = snapshot(llm)
     assert state.free_blocks == free and state.requests == {} and state.held_by_workers == {}
-    del llm
-    settle()

@@ -16,7 +16,7 @@ import os
 import pytest
 
 from cords_vllm.client import StreamAPIError, StreamClient
-from cords_vllm.integration.published import await_published
+from cords_vllm.integration.handoff.published import await_published
 from cords_vllm.lab.bench.http import scrape
 from cords_vllm.lab.bench.offline import kv_bytes_per_block
 from cords_vllm.lab.serving.process import VLLMServer

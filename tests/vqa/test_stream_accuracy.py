@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cords_vllm.integration.inprocess.heap import settle
 from cords_vllm.lab.bench.accuracy import EngineShape, blank_needles
 from cords_vllm.lab.bench.stream_accuracy import plan_stream, run_stream_policy, run_streams, stream_engine_args
 from cords_vllm.lab.vqa import make_split, shipped_checkpoint
@@ -47,11 +46,10 @@ def test_the_question_follows_the_needle_by_the_delay_and_the_video_is_pushed_un
     assert len(static.clips) * PUSH_FRAMES == len(static.example.frames) + DELAY * PUSH_FRAMES
 
 
-def test_full_kv_stream_answers_equal_one_shot_requests_over_the_same_tokens(plans):
+def test_full_kv_stream_answers_equal_one_shot_requests_over_the_same_tokens(plans, make_llm):
     from vllm import SamplingParams
 
     from cords_vllm.integration.inprocess.introspect import snapshot
-    from cords_vllm.integration.inprocess.llm import make_llm
 
     kwargs = stream_engine_args(shipped_checkpoint(), plans, SHAPE)
     llm = make_llm(kwargs.pop("model"), **kwargs)
@@ -64,8 +62,6 @@ def test_full_kv_stream_answers_equal_one_shot_requests_over_the_same_tokens(pla
     assert [s.answer for s in streams] == [o.outputs[0].text for o in outs]
     assert [s.answer for s in streams] == [p.example.answer for p in plans]
     assert snapshot(llm).free_blocks == free  # every answered stream was ended and returned its blocks
-    del llm
-    settle()
 
 
 def test_streams_under_cords_hold_at_most_the_budget_when_answering(plans):

@@ -1,9 +1,9 @@
 """The KV policy's figures on the API server's ``/metrics`` (one API server: the global registry).
 
-:class:`PolicyCollector` exports what :func:`~cords_vllm.integration.published.read_published` reads at every
+:class:`PolicyCollector` exports what :func:`~cords_vllm.integration.handoff.published.read_published` reads at every
 scrape: the counters and the high-water-mark gauges. With several API servers vLLM serves ``/metrics`` from
 ``PROMETHEUS_MULTIPROC_DIR`` instead, which the publishers write to themselves
-(:mod:`cords_vllm.integration.published`).
+(:mod:`cords_vllm.integration.handoff.published`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from cords_vllm.integration.published import COUNTERS, PEAKS, metrics_dir, read_published
+from cords_vllm.integration.handoff.published import COUNTERS, PEAKS, metrics_dir, read_published
 
 _registered = False
 

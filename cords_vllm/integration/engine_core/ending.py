@@ -10,7 +10,7 @@ request in it. :class:`RequestEnder` runs at the start of every ``Scheduler.sche
 * it hands the request to vLLM's own error channel (:func:`end_with_error`), which ends it with
   ``FINISHED_ERROR`` and tells its client when the step's output is processed, freeing its blocks;
 * it publishes the reason under the request's external id
-  (:meth:`~cords_vllm.integration.published.Publisher.end`), so the stream API answers ``410`` naming it.
+  (:meth:`~cords_vllm.integration.handoff.published.Publisher.end`), so the stream API answers ``410`` naming it.
 
 Under a policy the compressor adds its own reasons (text past ``max_text_tokens``, invalid overrides).
 """
@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cords_vllm.integration.engine_core.requests import external_request_id
-from cords_vllm.integration.published import Publisher
+from cords_vllm.integration.handoff.published import Publisher
 
 logger = logging.getLogger(__name__)
 

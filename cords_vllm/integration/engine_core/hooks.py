@@ -2,7 +2,7 @@
 
 Each scheduler gets one :class:`SchedulerHooks` the first time a patched method sees it: its compressor
 (``None`` for ``--kv-policy none``: every wrapper then calls straight through), its publisher and its step
-observers. The wrappers are installed from the one patch table, :mod:`cords_vllm.integration.patches`.
+observers. The wrappers are installed from the one patch table, :mod:`cords_vllm.integration.patch.table`.
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cords_vllm.config import KVPolicyConfig, KVPolicyConfigError
-from cords_vllm.integration import engine_policy, failures
-from cords_vllm.integration.attach import Attached
 from cords_vllm.integration.engine_core.ending import RequestEnder
 from cords_vllm.integration.engine_core.observers import HeldKVObserver, StepObserver
 from cords_vllm.integration.engine_core.scheduler import SchedulerCompressor
-from cords_vllm.integration.published import Publisher
+from cords_vllm.integration.handoff import engine_policy, failures
+from cords_vllm.integration.handoff.published import Publisher
+from cords_vllm.integration.patch.attach import Attached
 from cords_vllm.utils import cdiv
 
 

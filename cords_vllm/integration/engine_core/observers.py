@@ -3,7 +3,7 @@
 :class:`HeldKVObserver` runs after every ``Scheduler.schedule`` under every policy (``none`` included, so
 figures compare policies in one place), right after the step's allocations: the moment a request holds the
 most, before the next step's compression frees blocks. It publishes, through the scheduler's
-:class:`~cords_vllm.integration.published.Publisher` (memory only on the hot path):
+:class:`~cords_vllm.integration.handoff.published.Publisher` (memory only on the hot path):
 
 * the ``request_kv_blocks_peak`` high-water mark (vLLM's ``vllm:kv_cache_usage_perc`` is the pool's usage
   when the API server last heard from the engine; a client polling it can miss a request's peak);
@@ -18,8 +18,8 @@ from typing import Any
 from cords_vllm.integration.engine_core.requests import external_request_id
 from cords_vllm.integration.engine_core.scheduler import SchedulerCompressor
 from cords_vllm.integration.engine_core.tracker import non_null_blocks
+from cords_vllm.integration.handoff.published import HeldKV, Publisher
 from cords_vllm.integration.kv_groups import attention_manager
-from cords_vllm.integration.published import HeldKV, Publisher
 
 #: ``callback(scheduler, scheduler_output)`` after every ``Scheduler.schedule``.
 StepObserver = Callable[[Any, Any], None]

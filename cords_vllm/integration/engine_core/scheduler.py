@@ -5,7 +5,7 @@ still in its prompt is offered to the pure planner (:func:`~cords_vllm.compress.
 plan rewrites the request's row in the KV cache manager (``row[:j] = kept blocks + nulls``) and returns the
 other blocks of the region to the block pool at once, so the allocation of this very step can use them: the
 prototype decided after allocation, and a request was preempted three times that compression would have
-saved. The plans ride on the ``SchedulerOutput`` to the workers (:mod:`cords_vllm.integration.plans`), which
+saved. The plans ride on the ``SchedulerOutput`` to the workers (:mod:`cords_vllm.integration.handoff.plans`), which
 copy the kept tokens before the forward. Deciding at the start of ``schedule`` is also right under async
 scheduling: the workers apply plans in step order, after the in-flight step has written its tokens.
 
@@ -48,9 +48,9 @@ from cords_vllm.integration.engine_core.rebase import remove_range
 from cords_vllm.integration.engine_core.requests import positions_after
 from cords_vllm.integration.engine_core.tracker import RequestCompression, RequestTracker, non_null_blocks
 from cords_vllm.integration.engine_facts import model_facts_of
+from cords_vllm.integration.handoff.plans import attach_plans
+from cords_vllm.integration.handoff.published import Publisher
 from cords_vllm.integration.kv_groups import attention_manager, check_layer_groups, whole_group_indices
-from cords_vllm.integration.plans import attach_plans
-from cords_vllm.integration.published import Publisher
 from cords_vllm.utils import cdiv
 
 logger = logging.getLogger(__name__)

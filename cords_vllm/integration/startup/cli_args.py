@@ -1,7 +1,7 @@
 """``--kv-policy`` and ``--kv-policy-config`` for ``vllm serve`` and ``EngineArgs``.
 
 vLLM 0.32 has no hook for a plugin to add command-line flags; an unknown flag exits with status 2. The
-patch table (:mod:`cords_vllm.integration.patches`) wraps three ``EngineArgs`` methods with these wrappers:
+patch table (:mod:`cords_vllm.integration.patch.table`) wraps three ``EngineArgs`` methods with these wrappers:
 
 * ``add_cli_args``: adds a "KV policy (cords-vllm)" argument group. ``--kv-policy`` takes its choices
   from the policy registry, so ``--help`` lists them and argparse rejects an unknown name.
@@ -13,7 +13,7 @@ patch table (:mod:`cords_vllm.integration.patches`) wraps three ``EngineArgs`` m
   settings an enabled policy needs (:mod:`cords_vllm.integration.startup.engine_args`), checks the policy against the
   model in the ``VllmConfig`` vLLM built (:mod:`cords_vllm.integration.startup.checks`), and logs one INFO line naming
   the policy, every setting in force and every engine setting it changed. It also announces the policy to the
-  engine processes vLLM is about to start (:mod:`cords_vllm.integration.engine_policy`).
+  engine processes vLLM is about to start (:mod:`cords_vllm.integration.handoff.engine_policy`).
 
 With ``--kv-policy none`` (the default) nothing is added to ``additional_config``. The ``--kv-stream*`` flags
 configure the stream API (:mod:`cords_vllm.integration.api_server.streams`), which runs in the API server and reads them
@@ -39,7 +39,7 @@ from cords_vllm.config import (
     KVPolicyConfigError,
     available_policies,
 )
-from cords_vllm.integration import engine_policy
+from cords_vllm.integration.handoff import engine_policy
 from cords_vllm.integration.startup.checks import (
     EngineFacts,
     check_engine,

@@ -17,7 +17,8 @@ compressions cost about what one does). A compression that fails ends its reques
 
 The freed blocks may be handed out again in this very step; that is safe because the copy runs before this
 step's forward, which is the first thing that writes them, and because the scheduler takes them out of the blocks
-vLLM zeroes at the start of ``_update_states`` on a hybrid model (:func:`~cords_vllm.integration.plans.attach_plans`).
+vLLM zeroes at the start of ``_update_states`` on a hybrid model
+(:func:`~cords_vllm.integration.handoff.plans.attach_plans`).
 
 Each compressed request has one :class:`~cords_vllm.integration.worker.tracker.WorkerRequest`, dropped when it
 finishes, is preempted (it recomputes from scratch) or resumes after a preemption.
@@ -61,11 +62,11 @@ from cords_vllm.compress.step import (
 from cords_vllm.compress.transfer import upload
 from cords_vllm.compress.unit_choice import AUTO, compression_unit
 from cords_vllm.config import KVPolicyConfig
-from cords_vllm.integration import failures
 from cords_vllm.integration.engine_facts import decoder_layer_index, model_facts_of
+from cords_vllm.integration.handoff import failures
+from cords_vllm.integration.handoff.plans import plans_of
+from cords_vllm.integration.handoff.published import PUBLISH_INTERVAL_S, Publisher
 from cords_vllm.integration.kv_groups import attention_group_index, check_layer_groups
-from cords_vllm.integration.plans import plans_of
-from cords_vllm.integration.published import PUBLISH_INTERVAL_S, Publisher
 from cords_vllm.integration.worker.cpu_layout import accessor_for_layer, codec_for_layer, kv_cache_dtype_of
 from cords_vllm.integration.worker.pipeline_parallel import stage_anchors
 from cords_vllm.integration.worker.query_capture import QueryCapture

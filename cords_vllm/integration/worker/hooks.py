@@ -3,7 +3,7 @@
 Each model runner gets its :class:`~cords_vllm.integration.worker.compressor.WorkerCompressor` (``None`` for
 ``--kv-policy none``: the wrappers then call straight through) the first time a patched method sees it, and
 each of its attention groups is tied to it, so the metadata builder of a group finds the compressed rows of its
-runner's batch. The wrappers are installed from the one patch table, :mod:`cords_vllm.integration.patches`.
+runner's batch. The wrappers are installed from the one patch table, :mod:`cords_vllm.integration.patch.table`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cords_vllm.config import KVPolicyConfig, KVPolicyConfigError
-from cords_vllm.integration.attach import Attached
+from cords_vllm.integration.patch.attach import Attached
 from cords_vllm.integration.worker.attention_view import physical_view
 from cords_vllm.integration.worker.compressor import WorkerCompressor
 from cords_vllm.integration.worker.positions import shift_positions

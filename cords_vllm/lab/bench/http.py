@@ -9,7 +9,7 @@ import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from cords_vllm.integration.published import PUBLISH_INTERVAL_S
+from cords_vllm.integration.handoff.published import PUBLISH_INTERVAL_S
 from cords_vllm.lab.bench.offline import PolicyResult
 from cords_vllm.lab.bench.workload import VideoWorkload, VQAWorkload
 from cords_vllm.lab.synthetic import jpeg_frames_data_url
@@ -40,10 +40,13 @@ def scrape(base_url: str) -> dict[str, float]:
 
 
 def run_http(base_url: str, label: str, workload: VideoWorkload | VQAWorkload,
-             on_progress: Callable[[int], None] | None = None, poll_seconds: float = 0.25) -> PolicyResult:
+             on_progress: Callable[[int], None] | None = None, poll_seconds: float = 0.25,
+             min_prompt_tokens: int | None = None) -> PolicyResult:
     """Send the workload to ``base_url`` (streaming chat completions) and measure it.
 
-    Blocks in use and running requests are sampled from ``/metrics`` every ``poll_seconds``.
+    Blocks in use and running requests are sampled from ``/metrics`` every ``poll_seconds``. A prompt shorter than
+    ``min_prompt_tokens`` (default: the video's tokens; lower it for a server that prunes video tokens) means the
+    server sampled the frames: ``RuntimeError``.
     """
     from openai import OpenAI
 
@@ -109,7 +112,8 @@ def run_http(base_url: str, label: str, workload: VideoWorkload | VQAWorkload,
     poller.join()
     time.sleep(2 * PUBLISH_INTERVAL_S)  # the plugin publishes its counters at most this late
     after = scrape(base_url)
-    if usage.get("fewest_prompt", workload.video_tokens) < workload.video_tokens:
+    least = workload.video_tokens if min_prompt_tokens is None else min_prompt_tokens
+    if usage.get("fewest_prompt", least) < least:
         raise RuntimeError(
             f"the server read a {usage['fewest_prompt']}-token prompt for a video of {workload.video_tokens} "
             f"tokens ({workload.frames} frames): it sampled the frames (vLLM keeps 32 by default). Start it "

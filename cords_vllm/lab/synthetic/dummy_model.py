@@ -67,6 +67,19 @@ SHAPES: dict[str, DummyShape] = {
 }
 
 
+#: Each shape scaled down for a CPU (two layers, narrow; the 7B vocabulary and the frame geometry kept): what the
+#: test suite serves and ``benchmarks/gpu_bench.py --plan cpu`` runs, the 7B path on every run.
+SCALED_DOWN: dict[str, dict[str, Any]] = {
+    "qwen2-vl-7b": {"num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
+                    "num_key_value_heads": 2, "mrope_section": (8, 12, 12),
+                    "vision": {"depth": 2, "embed_dim": 64, "hidden_size": 256, "num_heads": 2}},
+    "qwen2.5-vl-7b": {"num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
+                      "num_key_value_heads": 2, "mrope_section": (8, 12, 12),
+                      "vision": {"depth": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2,
+                                 "out_hidden_size": 256, "fullatt_block_indexes": [1]}},
+}
+
+
 class DummyModelError(ValueError):
     """A shape that cannot describe a working model, or a source that is not a checkpoint."""
 

@@ -57,7 +57,7 @@ from cords_vllm.integration.api_server.streams.schemas import (
     StreamObject,
 )
 from cords_vllm.integration.api_server.streams.siblings import LINK_KEY, SiblingLink, is_forwarded
-from cords_vllm.integration.published import HeldKV, read_published
+from cords_vllm.integration.handoff.published import HeldKV, read_published
 
 logger = logging.getLogger(__name__)
 

@@ -23,11 +23,7 @@ import numpy as np
 
 from cords_vllm.conversation.text_budget import TextBudget, TextRoomExceeded
 from cords_vllm.conversation.transcript import CHATML, Markup, Transcript
-from cords_vllm.integration.published import PUBLISH_INTERVAL_S, read_published
-
-#: Frames per temporal patch of the Qwen-VL video encoders (the default; the server passes its model's): a clip
-#: holds whole patches.
-TEMPORAL_PATCH = 2
+from cords_vllm.integration.handoff.published import PUBLISH_INTERVAL_S, read_published
 
 
 class StreamEnded(RuntimeError):
@@ -139,6 +135,10 @@ class LiveStream:
     max_clip_tokens:
         The most video tokens of one clip the engine takes (its encoder cache; :mod:`.push_bounds`): a clip with
         more is refused (:class:`TurnTooLong`) before the engine, which would end the stream. ``None``: no check.
+    temporal_patch:
+        Frames per temporal patch of the served model's video encoder
+        (:attr:`~cords_vllm.model_facts.ModelFacts.frames_per_patch`, through the registry's push bounds): a clip
+        holds whole patches, and the frames of a push past the last whole one wait for the next push.
     engine_index:
         The data-parallel engine holding the stream's KV (every turn is sent there); ``None``: the only one.
     markup:
@@ -150,7 +150,7 @@ class LiveStream:
                  count_text: Callable[[str], int] | None = None,
                  turn_tokens: Callable[[str, np.ndarray | None, dict[str, Any] | None], tuple[int, int]] | None = None,
                  max_model_len: int | None = None, max_clip_tokens: int | None = None, fps: float | None = None,
-                 temporal_patch: int = TEMPORAL_PATCH,
+                 temporal_patch: int,
                  engine_index: int | None = None, markup: Markup | None = None) -> None:
         self.engine = engine
         self.engine_index = engine_index

@@ -27,7 +27,7 @@ from cords_vllm.integration.api_server.streams.registry import StreamLimits, Str
 from cords_vllm.integration.api_server.streams.siblings import LINK_KEY, SiblingLink, StreamForwarding
 from cords_vllm.integration.api_server.streams.turn_tokens import engine_clip_tokens, turn_counter, video_processing
 from cords_vllm.integration.engine_facts import model_facts_of
-from cords_vllm.integration.published import metrics_dir
+from cords_vllm.integration.handoff.published import metrics_dir
 from cords_vllm.integration.startup.cli_args import api_keys
 from cords_vllm.model_facts import ModelFacts
 
@@ -107,7 +107,7 @@ class StreamsPlugin:
         registry.push_bounds = PushBounds(
             limits.max_push_bytes, max_clip_tokens=engine_clip_tokens(engine_client, registry.max_model_len),
             video_tokens=video.tokens if video is not None else None,
-            temporal_patch=facts.temporal_patch_size or 2)
+            temporal_patch=facts.frames_per_patch)
         registry.unsupported, registry.markup = facts.streams_unsupported, facts.chat_markup
         registry.keyed = bool(api_keys(args))
         set_header_timeout(getattr(args, "kv_stream_header_timeout", None) or HEADER_TIMEOUT_S)

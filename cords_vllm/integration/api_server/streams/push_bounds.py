@@ -39,7 +39,9 @@ class PushBounds:
     max_clip_tokens: int | None = None
     #: The served model's video token count (``None``: no processor rule or clip bound is checked here).
     video_tokens: VideoTokens | None = None
-    #: Frames per temporal patch: a clip holds whole patches, and an odd frame waits for the next push.
+    #: Frames per temporal patch (the served model's :attr:`~cords_vllm.model_facts.ModelFacts.frames_per_patch`;
+    #: 2, the Qwen-VL families', where none is given): a clip holds whole patches, and an odd frame waits for the
+    #: next push.
     temporal_patch: int = 2
 
     def check(self, media: PushMedia, held: int = 0) -> None:

@@ -12,12 +12,10 @@ import pytest
 
 from cords_vllm.client import StreamClient
 from cords_vllm.lab.serving.process import VLLMServer
-from cords_vllm.lab.synthetic.dummy_model import SHAPES, DummyModelError, main, write_dummy_model
+from cords_vllm.lab.synthetic.dummy_model import SCALED_DOWN, SHAPES, DummyModelError, main, write_dummy_model
 
 #: Scaled down for two CPU cores, the 7B vocabulary kept (sampled ids past the tokenizer's decode to nothing).
-SMALL = {"num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
-         "num_key_value_heads": 2, "mrope_section": (8, 12, 12),
-         "vision": {"depth": 2, "embed_dim": 64, "hidden_size": 256, "num_heads": 2}}
+SMALL = SCALED_DOWN["qwen2-vl-7b"]
 
 
 @pytest.mark.parametrize("name", sorted(SHAPES))

@@ -77,7 +77,7 @@ def test_bad_additional_config_exits_non_zero_naming_the_key(runs):
 
 
 def test_settings_the_model_cannot_serve_exit_non_zero_at_start_up(runs):
-    """A check against the model (tests/foundation/test_startup_checks.py has one per case) stops `vllm serve`."""
+    """A check against the model (tests/startup/test_startup_checks.py has one per case) stops `vllm serve`."""
     proc = runs["anchor the model lacks"]
     assert proc.returncode != 0
     assert "'anchors'" in proc.stderr and "layers 0..3" in proc.stderr

@@ -98,7 +98,7 @@ def test_a_dead_server_is_named_by_the_first_error_of_its_log():
 def test_the_cuda_gated_tests_include_every_file_skipped_without_cuda():
     gated = gpu_check.cuda_gated_tests()
     assert {"tests/compress", "tests/engine/test_cuda.py", "tests/selection/test_selector_contract.py"} <= set(gated)
-    assert "tests/foundation/test_config.py" not in gated
+    assert "tests/core/test_config.py" not in gated
 
 
 def _answer(tokens, logprobs, runner_up=None):

@@ -5,7 +5,7 @@ from importlib.metadata import entry_points
 
 import pytest
 
-from cords_vllm.integration.version_guard import UnsupportedVLLMError, check_vllm_version, is_supported
+from cords_vllm.integration.patch.version_guard import UnsupportedVLLMError, check_vllm_version, is_supported
 
 
 def test_entry_point_is_registered():

@@ -14,6 +14,8 @@ def test_qwen2_vl_facts_come_from_its_config(tiny_model):
     assert facts.placeholder_token_ids == {"image": config.image_token_id, "video": config.video_token_id}
     assert facts.vision_markers == {config.vision_start_token_id, config.vision_end_token_id}
     assert facts.temporal_patch_size == config.vision_config.temporal_patch_size == 2
+    assert facts.frames_per_patch == 2 and ModelFacts(temporal_patch_size=4).frames_per_patch == 4
+    assert ModelFacts().frames_per_patch == 2  # no temporal patch named (LLaVA-NeXT-Video): a live stream's 2
     assert facts.frames_from == FRAMES_FROM_MROPE and facts.finds_frames
     assert facts.candidate_token_ids(("video",)) == {config.video_token_id, *facts.vision_markers}
     assert facts.candidate_token_ids(("image", "video")) >= {config.image_token_id, config.video_token_id}

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from cords_vllm.integration import published
-from cords_vllm.integration.published import Publisher, read_totals
+from cords_vllm.integration.handoff import published
+from cords_vllm.integration.handoff.published import Publisher, read_totals
 from cords_vllm.log import follow_vllm_logging
 
 
@@ -78,7 +78,7 @@ def test_changes_are_published_within_the_interval(metrics_dir):
 
 
 def test_streams_are_published_by_external_id_and_replaced_not_merged(metrics_dir):
-    from cords_vllm.integration.published import ENDED_KEPT, HeldKV, read_published
+    from cords_vllm.integration.handoff.published import ENDED_KEPT, HeldKV, read_published
 
     scheduler, other = Publisher("scheduler", interval=60.0), Publisher("scheduler", interval=60.0)
     scheduler.hold({"cam-1": HeldKV(blocks=3, tokens=90, stream_tokens=400)})
@@ -111,7 +111,7 @@ def test_the_external_id_is_the_engine_id_without_vllms_random_suffix(monkeypatc
 
 PRODUCER = """
 import os
-from cords_vllm.integration.published import Publisher
+from cords_vllm.integration.handoff.published import Publisher
 sink = Publisher("worker", interval=60.0)
 sink.add(compressions=1, evicted_tokens=7)
 sink.add(compressions=2)

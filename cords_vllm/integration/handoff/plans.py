@@ -3,7 +3,7 @@
 The plans are plain frozen dataclasses of host integers (:class:`~cords_vllm.compress.plan.CompressionPlan`),
 pickled with the output to worker processes, like vLLM's own scheduler -> worker data. They ride in
 ``SchedulerOutput.kv_compaction_plans``: the field upstream patch ``patches/0001`` adds; on vLLM 0.32 the patch
-table (:mod:`cords_vllm.integration.patches`) declares it on the class with an empty default, so every output
+table (:mod:`cords_vllm.integration.patch.table`) declares it on the class with an empty default, so every output
 has it and a reader finds it where vLLM's own fields are. Set and read only through these two functions.
 """
 

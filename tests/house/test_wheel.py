@@ -140,7 +140,7 @@ def test_version_guard_refuses_another_vllm(venv, tmp_path):
     (fake / "vllm" / "__init__.py").write_text('__version__ = "0.33.1"\n')
     got = _python(venv, """
         import json
-        from cords_vllm.integration.version_guard import UnsupportedVLLMError, check_vllm_version
+        from cords_vllm.integration.patch.version_guard import UnsupportedVLLMError, check_vllm_version
         from cords_vllm.plugin import register
         real = check_vllm_version()
         import sys

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from cords_vllm.integration.published import COUNTERS as PUBLISHED_COUNTERS
-from cords_vllm.integration.published import PUBLISH_INTERVAL_S, await_published
+from cords_vllm.integration.handoff.published import COUNTERS as PUBLISHED_COUNTERS
+from cords_vllm.integration.handoff.published import PUBLISH_INTERVAL_S, await_published
 from cords_vllm.lab.bench.http import scrape
 from cords_vllm.lab.serving.process import VLLMServer
 from cords_vllm.lab.synthetic import make_video, mp4_data_url

@@ -3,7 +3,7 @@ nothing.
 
 vLLM 0.32 has no extension point for evicting tokens from a running request's paged KV cache, nor for a
 plugin's command-line flags. The plugin's whole contract with vLLM is one table
-(:data:`cords_vllm.integration.patches.TABLE`) of three kinds of entries:
+(:data:`cords_vllm.integration.patch.table.TABLE`) of three kinds of entries:
 
 * :class:`Patch`: a vLLM function the plugin wraps; what vLLM lacks (``why``) and the upstream patch of
   ``patches/`` that would make it unnecessary.
@@ -191,7 +191,7 @@ def install_when_imported(entries: Sequence[Entry]) -> None:
     """Install ``entries`` module by module, each module's entries together (checked first, all or nothing) when
     vLLM imports that module, or now for a module already imported. Nothing is imported to resolve an entry, so
     an entry whose module this process never loads costs nothing and changes nothing."""
-    from cords_vllm.integration.import_hooks import when_imported
+    from cords_vllm.integration.patch.import_hooks import when_imported
 
     by_module: dict[str, list[Entry]] = {}
     for entry in entries:

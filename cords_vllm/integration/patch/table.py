@@ -3,10 +3,11 @@ declares and the attribute it relies on vLLM to drain.
 
 The table is grouped by the process that runs each entry and by whether an engine without a policy needs it
 (:class:`Group`). :func:`install` never imports a vLLM module: each module's entries are installed, checked
-first and all or nothing (:mod:`cords_vllm.integration.patching`), when vLLM itself imports that module in this
-process, and only the entries of this process's platform (an entry's ``platform``). So a CUDA process never loads
-vLLM's CPU worker (whose import replaces torch's CUDA events, streams and pinned copies for the whole process),
-and under ``--kv-policy none`` (:mod:`cords_vllm.integration.engine_policy`) the workers run vLLM's code alone.
+first and all or nothing (:mod:`cords_vllm.integration.patch.mechanism`), when vLLM itself imports that module in
+this process, and only the entries of this process's platform (an entry's ``platform``). So a CUDA process never
+loads vLLM's CPU worker (whose import replaces torch's CUDA events, streams and pinned copies for the whole
+process), and under ``--kv-policy none`` (:mod:`cords_vllm.integration.handoff.engine_policy`) the workers run
+vLLM's code alone.
 
 The wrappers live with the process they run in (:mod:`~cords_vllm.integration.startup.cli_args`,
 :mod:`~cords_vllm.integration.engine_core.hooks`, :mod:`~cords_vllm.integration.worker.hooks`,
@@ -18,12 +19,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cords_vllm.integration import engine_policy
 from cords_vllm.integration.api_server import header_timeout
 from cords_vllm.integration.api_server.outputs import make_apply_streaming_update
 from cords_vllm.integration.api_server.streams.plugin import make_attach_endpoint_plugins
 from cords_vllm.integration.engine_core import hooks as core
-from cords_vllm.integration.patching import (
+from cords_vllm.integration.handoff import engine_policy
+from cords_vllm.integration.handoff.plans import PLANS_FIELD
+from cords_vllm.integration.patch.mechanism import (
     Call,
     Drains,
     EngineSignatureError,
@@ -34,8 +36,7 @@ from cords_vllm.integration.patching import (
     install_when_imported,
     installed,
 )
-from cords_vllm.integration.patching import install as install_entries
-from cords_vllm.integration.plans import PLANS_FIELD
+from cords_vllm.integration.patch.mechanism import install as install_entries
 from cords_vllm.integration.startup import cli_args
 from cords_vllm.integration.worker import hooks as worker
 from cords_vllm.integration.worker import pipeline_parallel, video_pruning

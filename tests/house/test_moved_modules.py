@@ -16,6 +16,9 @@ def test_new_names_follow_packages_and_leave_the_rest_alone():
     assert new_name("cords_vllm.streams.transcript") == "cords_vllm.conversation.transcript"
     assert new_name("cords_vllm.streams.api") == "cords_vllm.integration.api_server.streams.api"
     assert new_name("cords_vllm.demo_requests") == "cords_vllm.lab.demo_requests"
+    assert new_name("cords_vllm.integration.patches") == "cords_vllm.integration.patch.table"
+    assert new_name("cords_vllm.integration.published") == "cords_vllm.integration.handoff.published"
+    assert new_name("cords_vllm.version_guard") == "cords_vllm.integration.patch.version_guard"
     assert new_name("cords_vllm.config") is None and new_name("cords_vllm.client") is None
     for new in MOVED.values():
         assert importlib.util.find_spec(new) is not None, new

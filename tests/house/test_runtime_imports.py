@@ -97,7 +97,7 @@ def _offenders(modules: dict[str, Path], forbidden: tuple[str, ...]) -> dict[str
 def test_the_walk_sees_the_runtime_the_seam_and_the_lab() -> None:
     modules = all_modules()
     assert {"cords_vllm.lab.demo", "cords_vllm.lab.synthetic.tiny_model", "cords_vllm.lab.reference.hf",
-            "cords_vllm.integration.patches", "cords_vllm.integration.engine_core.scheduler",
+            "cords_vllm.integration.patch.table", "cords_vllm.integration.engine_core.scheduler",
             "cords_vllm.integration.worker.compressor", "cords_vllm.selection.cords",
             "cords_vllm.compress.step"} <= modules.keys()
     assert all(path.is_file() for path in modules.values())
