@@ -106,11 +106,22 @@ def run_policy(checkpoint: str | Path, examples: Sequence[VQAExample], spec: Pol
     """
     from vllm import SamplingParams
 
+    outputs, held = run_cell(checkpoint, examples, spec, budget, shape, SamplingParams(temperature=0.0, max_tokens=1),
+                             inputs)
+    return [o.outputs[0].text for o in outputs], held
+
+
+def run_cell(checkpoint: str | Path, examples: Sequence[VQAExample], spec: PolicySpec | str, budget: int | None,
+             shape: EngineShape, params: Any, inputs: str = "video",
+             engine_overrides: dict[str, Any] | None = None) -> tuple[list[Any], float]:
+    """vLLM's ``RequestOutput`` of every example under ``spec`` at ``budget`` with sampling ``params``, and the
+    mean candidate tokens held when answering (:func:`run_policy`; ``engine_overrides``: more ``LLM``
+    arguments, e.g. ``max_logprobs``)."""
     from cords_vllm.integration.inprocess.heap import settle
     from cords_vllm.integration.inprocess.introspect import answering_requests, observe_steps, requests_of
     from cords_vllm.lab.vqa.serving import candidate_tokens
 
-    llm = cell_llm(engine_args(checkpoint, examples, shape, inputs), spec, budget,
+    llm = cell_llm({**engine_args(checkpoint, examples, shape, inputs), **(engine_overrides or {})}, spec, budget,
                    candidate_tokens(examples[0].geometry, inputs))
     held_at_answer: list[int] = []
 
@@ -121,11 +132,10 @@ def run_policy(checkpoint: str | Path, examples: Sequence[VQAExample], spec: Pol
             held_at_answer.extend(held[r].held_candidate_tokens for r in answering)
 
     observe_steps(llm, observe)
-    outputs = llm.generate([e.vllm_request(inputs, fps=shape.fps) for e in examples],
-                           SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+    outputs = llm.generate([e.vllm_request(inputs, fps=shape.fps) for e in examples], params, use_tqdm=False)
     del llm
     settle()
-    return [o.outputs[0].text for o in outputs], float(np.mean(held_at_answer)) if held_at_answer else float("nan")
+    return outputs, float(np.mean(held_at_answer)) if held_at_answer else float("nan")
 
 
 def blank_needles(example: VQAExample) -> VQAExample:
