@@ -25,7 +25,7 @@ from cords_vllm.compress.plan import BudgetSettings, stream_footprint_blocks
 from cords_vllm.compress.unit_choice import AUTO, DEFAULT_MIN_UNITS
 from cords_vllm.kernel_backend import CHOICES as KERNEL_CHOICES
 from cords_vllm.kernel_backend import requested as requested_kernels
-from cords_vllm.selection import available_selectors, get_selector, selector_params
+from cords_vllm.selection import available_selectors, get_selector, selector_class, selector_params
 from cords_vllm.selection.base import GRANULARITIES
 
 #: The policy that leaves the engine untouched.
@@ -173,7 +173,8 @@ class KVPolicyConfig:
                     f"({', '.join(choices[1:])}) or drop the configuration"
                 )
             return cls()
-        engine = {k: v for k, v in raw.items() if k in ENGINE_KEYS}
+        # the policy's own engine defaults (a per-layer, per-head variant's), under what the user gave
+        engine = {**selector_class(policy).engine_defaults, **{k: v for k, v in raw.items() if k in ENGINE_KEYS}}
         params = {k: v for k, v in raw.items() if k not in ENGINE_KEYS}
         if "lambda" in params:  # the paper's name; a Python keyword, so the selector field is `lam`
             if "lam" in params:

@@ -25,6 +25,7 @@ from cords_vllm.selection import (  # noqa: F401  (imported to register the buil
     d2,
     infinipot,
     infinipot_v,
+    layerwise,
     randomized,
     recency,
     snapkv,

@@ -36,7 +36,9 @@ The names of the sibling modules that other code imports from here (``GRANULARIT
 from __future__ import annotations
 
 import abc
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, ClassVar
 
 import torch
@@ -102,6 +104,10 @@ class Selector(abc.ABC):
         ``"prompt_before_candidates"`` (the text right before the first video, seeing every held token) or
         ``"prompt_at_newest"`` (the same rows, rotated to the position after the newest token); the policy's
         ``window`` says how many rows. ``None`` otherwise.
+    engine_defaults:
+        ``kv_policy_config`` engine keys (``anchors``, ``per_head``, ``granularity``, ...) this policy defaults to,
+        where they are part of its rule (e.g. a per-layer, per-head variant); the user's configuration overrides
+        them. Empty for most policies.
     batches_problems:
         True if :meth:`_order_units` reads only ``feats``, ``key_dim``, ``valid``, ``k`` and ``k_max``, orders
         every problem alone and is unchanged by invalid units appended to a problem: the orders of several
@@ -115,6 +121,7 @@ class Selector(abc.ABC):
     needs_frame_length: ClassVar[bool] = False
     needs_observation: ClassVar[bool] = False
     observation_source: ClassVar[str | None] = None
+    engine_defaults: ClassVar[Mapping[str, Any]] = MappingProxyType({})
     batches_problems: ClassVar[bool] = False
 
     def __post_init__(self) -> None:

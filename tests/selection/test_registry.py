@@ -17,8 +17,8 @@ from cords_vllm.selection import (
     selector_params,
 )
 
-NAMES = ["cords", "infinipot", "infinipot_v", "k_only", "random", "recency", "snapkv", "streammem", "uniform", "v_only",
-         "value_norm"]
+NAMES = ["cords", "cords_layerwise", "infinipot", "infinipot_layerwise", "infinipot_v", "k_only", "random", "recency",
+         "snapkv", "snapkv_layerwise", "streammem", "streammem_layerwise", "uniform", "v_only", "value_norm"]
 
 
 def test_names_are_the_kv_policy_choices() -> None:
@@ -102,3 +102,17 @@ def test_selection_does_not_import_vllm() -> None:
             "print(bad); sys.exit(1 if bad else 0)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("name", ["snapkv_layerwise", "infinipot_layerwise", "streammem_layerwise", "cords_layerwise"])
+def test_layerwise_variants_select_in_every_layer_per_head_unless_told_otherwise(name: str) -> None:
+    from cords_vllm.config import KVPolicyConfig
+
+    base = name.removesuffix("_layerwise")
+    assert type(get_selector(name)).__mro__[1] is type(get_selector(base))  # the same rule, its own name
+    config = KVPolicyConfig.parse(name, None)
+    assert config.anchors is None and config.per_head  # every layer, each KV head on its own
+    assert config.granularity == ("token" if base == "snapkv" else "auto")  # SnapKV pools at every unit
+    assert KVPolicyConfig.parse(base, None).anchors == (0,) and not KVPolicyConfig.parse(base, None).per_head
+    mine = KVPolicyConfig.parse(name, {"anchors": [0], "per_head": False})  # the user's settings win
+    assert mine.anchors == (0,) and not mine.per_head

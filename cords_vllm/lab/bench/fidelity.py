@@ -14,6 +14,7 @@ decision would need (power 0.8 at the observed difference).
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -44,6 +45,8 @@ class CellFidelity:
     predictions: list[str]
     hits: list[bool]
     kl: list[float] = field(default_factory=list)
+    #: Wall seconds of the cell (engine start-up included): what selecting in every layer costs, beside accuracy.
+    seconds: float = 0.0
 
     @property
     def accuracy(self) -> float:
@@ -96,11 +99,13 @@ def evaluate_fidelity(checkpoint: str | Path, examples: Sequence[VQAExample], po
     full: torch.Tensor | None = None
     for spec, fraction, budget in budget_cells(policies, fractions, examples[0].geometry.num_video_tokens,
                                                shape.block_size):
+        started = time.perf_counter()
         logprobs, predictions, held = run_distributions(checkpoint, examples, spec, budget, shape)
         if full is None:
             full = logprobs
         cell = CellFidelity(spec.label, spec.policy, fraction, budget, held, predictions,
-                            answer_hits(examples, predictions), kl_from_full(full, logprobs).tolist())
+                            answer_hits(examples, predictions), kl_from_full(full, logprobs).tolist(),
+                            time.perf_counter() - started)
         cells.append(cell)
         if on_cell:
             on_cell(cell)
@@ -143,11 +148,11 @@ def compare(cells: Sequence[CellFidelity], reference: str = "cords", *, kl_margi
 
 def markdown(cells: Sequence[CellFidelity], rows: Sequence[dict[str, Any]], header: str) -> str:
     """The cells' table (accuracy, mean KL, tokens held) and the paired comparisons' table."""
-    lines = [header, "", "| policy | fraction | budget | held | accuracy | mean KL from full (nats) |",
-             "|---|---|---|---|---|---|"]
+    lines = [header, "", "| policy | fraction | budget | held | accuracy | mean KL from full (nats) | cell s |",
+             "|---|---|---|---|---|---|---|"]
     for c in cells:
         lines.append(f"| {c.label} | {c.fraction if c.fraction is not None else 'full'} | {c.budget or '-'} | "
-                     f"{c.held:.0f} | {100 * c.accuracy:.1f}% | {c.mean_kl:.4f} |")
+                     f"{c.held:.0f} | {100 * c.accuracy:.1f}% | {c.mean_kl:.4f} | {c.seconds:.1f} |")
     lines += ["", "Paired against the reference, same questions (95% paired bootstrap; reference minus other):", "",
               "| fraction | other | KL difference [95%] | verdict (KL) | n to decide | accuracy difference [95%] | "
               "verdict (accuracy) | McNemar p |", "|---|---|---|---|---|---|---|---|"]
