@@ -9,8 +9,9 @@ the answer token's whole distribution is kept. Per cell: accuracy, mean ``KL(ful
 ``--reference`` (``cords``) against every other policy on the same questions: the paired bootstrap 95% interval
 of the KL difference and of the accuracy difference, each with its verdict (decided only where the interval
 excludes zero, or ``--kl-margin`` for non-inferiority), McNemar's p, and the questions a decision would need
-(power 0.8 at the observed difference). Writes ``fidelity.json``, ``fidelity.md`` and one plot per budget
-(``fidelity_kl_<fraction>.png``) to ``--out``.
+(power 0.8 at the observed difference), and for the first ``--attention-questions`` questions every layer's
+attention-output error at the answer (the HF reference replaying the engine's evictions). Writes
+``fidelity.json``, ``fidelity.md`` and one plot per budget (``fidelity_kl_<fraction>.png``) to ``--out``.
 
 **Fresh questions only.** ``--seed`` must be at least 10,000,000: the model's training stream and the fixed
 evaluation splits (monitor, held-out, test: ``cords_vllm.lab.vqa.tasks.SPLIT_SEEDS``) use seeds below it, so no
@@ -47,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fractions", nargs="+", type=float, default=[1 / 4, 1 / 8, 1 / 16])
     p.add_argument("--kl-margin", type=float, default=0.0, help="non-inferiority margin in nats (0: none)")
     p.add_argument("--resamples", type=int, default=10_000)
+    p.add_argument("--attention-questions", type=int, default=8,
+                   help="questions whose every layer's attention-output error is measured (HF reference replaying "
+                        "the engine's evictions; seconds each)")
     p.add_argument("--chunk", type=int, default=64)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--no-plots", action="store_true")
@@ -84,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{time.perf_counter() - t0:7.1f}s] {cell.label:14s} {cell.fraction or 'full'!s:8s} accuracy "
               f"{100 * cell.accuracy:5.1f}%  mean KL {cell.mean_kl:.4f}", flush=True)
 
-    cells = evaluate_fidelity(checkpoint, examples, policies, args.fractions, shape, on_cell=progress)
+    cells = evaluate_fidelity(checkpoint, examples, policies, args.fractions, shape, on_cell=progress,
+                              attention_questions=min(args.attention_questions, len(examples)))
     rows = compare(cells, args.reference, kl_margin=args.kl_margin, resamples=args.resamples, seed=args.seed)
     header = (f"# Fidelity against full KV: {len(examples)} fresh questions (seed {args.seed}), {args.frames} frames, "
               f"{time.strftime('%Y-%m-%d')}")

@@ -18,8 +18,9 @@ pytestmark = pytest.mark.engine
 
 def test_distributions_against_the_uncompressed_engine(tmp_path: Path) -> None:
     from cords_vllm.lab.bench.accuracy import EngineShape
-    from cords_vllm.lab.bench.fidelity import run_distributions, vocab_size
+    from cords_vllm.lab.bench.fidelity import layer_errors_of, run_distributions, vocab_size
     from cords_vllm.lab.fidelity.paired_kl import kl_from_full
+    from cords_vllm.lab.reference.hf import HFReference
     from cords_vllm.lab.vqa import VideoGeometry, shipped_checkpoint
     from cords_vllm.lab.vqa.tasks import iter_examples
 
@@ -27,27 +28,37 @@ def test_distributions_against_the_uncompressed_engine(tmp_path: Path) -> None:
     geometry = VideoGeometry(num_frames=16)
     examples = list(iter_examples(["colour"], seed=10_000_123, geometry=geometry, stop=4))
     shape = EngineShape(chunk=32, batch=4)
-    full, answers, _ = run_distributions(checkpoint, examples, "none", None, shape)
+    run = run_distributions(checkpoint, examples, "none", None, shape)
+    full, answers = run.logprobs, run.answers
     assert full.shape == (4, vocab_size(checkpoint))
     torch.testing.assert_close(torch.logsumexp(full, -1), torch.zeros(4, dtype=torch.float64), atol=1e-4, rtol=0)
     # budget above the video: cords evicts nothing and must match full KV to the engine's float noise
-    whole, same_answers, held = run_distributions(checkpoint, examples, "cords", geometry.num_video_tokens + 64, shape)
-    assert same_answers == answers and held >= geometry.num_video_tokens  # nothing evicted
-    assert kl_from_full(full, whole).max().item() < 1e-6
+    whole = run_distributions(checkpoint, examples, "cords", geometry.num_video_tokens + 64, shape, trace=True)
+    assert whole.answers == answers and whole.held >= geometry.num_video_tokens  # nothing evicted
+    assert kl_from_full(full, whole.logprobs).max().item() < 1e-6
     # a budget of an eighth evicts: the distributions move
-    small, _, held = run_distributions(checkpoint, examples, "recency", geometry.num_video_tokens // 8, shape)
-    assert held < geometry.num_video_tokens / 2 and kl_from_full(full, small).mean().item() > 1e-3
+    small = run_distributions(checkpoint, examples, "recency", geometry.num_video_tokens // 8, shape, trace=True)
+    assert small.held < geometry.num_video_tokens / 2 and kl_from_full(full, small.logprobs).mean().item() > 1e-3
+    # every layer's attention output at the answer, in the HF reference replaying the engine's evictions
+    reference, outputs = HFReference(str(checkpoint)), {}
+    assert whole.evictions == [{}] * 4 and all(len(e) >= 1 for e in small.evictions)
+    untouched = layer_errors_of(reference, examples[:2], whole.evictions, outputs)
+    assert np.array(untouched).shape == (2, len(reference.attention_layers)) and not np.any(untouched)
+    moved = np.array(layer_errors_of(reference, examples[:2], small.evictions, outputs))
+    assert (moved > 0).all() and set(outputs) == {0, 1}  # full KV's outputs computed once per question
 
 
 def test_the_benchmark_pairs_every_policy_with_the_reference(tmp_path: Path, capsys) -> None:
     script = load_benchmark("fidelity")
     assert script.main(["--seed", "10000077", "--per-family", "2", "--frames", "16", "--policies", "cords", "uniform",
                         "--fractions", "0.25", "--resamples", "200", "--chunk", "32", "--batch", "4",
+                        "--attention-questions", "2",
                         "--out", str(tmp_path)]) == 0
     payload = json.loads((tmp_path / "fidelity.json").read_text())
     cells = {(c["label"], c["fraction"]): c for c in payload["cells"]}
     assert set(cells) == {("none", None), ("cords", 0.25), ("uniform", 0.25)}
     assert cells[("none", None)]["kl"] == [0.0] * payload["questions"]
+    assert cells[("none", None)]["layer_errors"] == [] and len(cells[("cords", 0.25)]["layer_errors"]) == 2
     (row,) = payload["comparisons"]
     assert (row["reference"], row["other"], row["fraction"]) == ("cords", "uniform", 0.25)
     kl_diff = np.mean(cells[("cords", 0.25)]["kl"]) - np.mean(cells[("uniform", 0.25)]["kl"])

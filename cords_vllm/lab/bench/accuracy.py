@@ -113,10 +113,12 @@ def run_policy(checkpoint: str | Path, examples: Sequence[VQAExample], spec: Pol
 
 def run_cell(checkpoint: str | Path, examples: Sequence[VQAExample], spec: PolicySpec | str, budget: int | None,
              shape: EngineShape, params: Any, inputs: str = "video",
-             engine_overrides: dict[str, Any] | None = None) -> tuple[list[Any], float]:
+             engine_overrides: dict[str, Any] | None = None,
+             on_llm: Callable[[Any], None] | None = None) -> tuple[list[Any], float]:
     """vLLM's ``RequestOutput`` of every example under ``spec`` at ``budget`` with sampling ``params``, and the
     mean candidate tokens held when answering (:func:`run_policy`; ``engine_overrides``: more ``LLM``
-    arguments, e.g. ``max_logprobs``)."""
+    arguments, e.g. ``max_logprobs``; ``on_llm``: called with the engine after the requests, before it goes,
+    e.g. to read what it recorded)."""
     from cords_vllm.integration.inprocess.heap import settle
     from cords_vllm.integration.inprocess.introspect import answering_requests, observe_steps, requests_of
     from cords_vllm.lab.vqa.serving import candidate_tokens
@@ -133,6 +135,8 @@ def run_cell(checkpoint: str | Path, examples: Sequence[VQAExample], spec: Polic
 
     observe_steps(llm, observe)
     outputs = llm.generate([e.vllm_request(inputs, fps=shape.fps) for e in examples], params, use_tqdm=False)
+    if on_llm is not None:
+        on_llm(llm)
     del llm
     settle()
     return outputs, float(np.mean(held_at_answer)) if held_at_answer else float("nan")

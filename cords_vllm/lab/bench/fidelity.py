@@ -14,6 +14,7 @@ decision would need (power 0.8 at the observed difference).
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -47,6 +48,8 @@ class CellFidelity:
     kl: list[float] = field(default_factory=list)
     #: Wall seconds of the cell (engine start-up included): what selecting in every layer costs, beside accuracy.
     seconds: float = 0.0
+    #: ``[n][L]``: every attention layer's output error at the answer for the first ``n`` questions (or empty).
+    layer_errors: list[list[float]] = field(default_factory=list)
 
     @property
     def accuracy(self) -> float:
@@ -80,36 +83,85 @@ def answer_logprobs(outputs: Sequence[Any], vocab: int) -> torch.Tensor:
     return rows
 
 
+@dataclass
+class CellOutputs:
+    """What one cell's engine gave: ``[N, V]`` answer log-probabilities, greedy answers, the mean candidate tokens
+    held, and (traced runs) each question's evictions ``{at_token: kept per layer}``."""
+
+    logprobs: torch.Tensor
+    answers: list[str]
+    held: float
+    evictions: list[dict[int, Any]] | None = None
+
+
 def run_distributions(checkpoint: str | Path, examples: Sequence[VQAExample], spec: PolicySpec | str,
-                      budget: int | None, shape: EngineShape) -> tuple[torch.Tensor, list[str], float]:
-    """``([N, V] answer log-probabilities, greedy answers, mean candidate tokens held)`` of one cell."""
+                      budget: int | None, shape: EngineShape, *, trace: bool = False) -> CellOutputs:
+    """One cell through the engine; ``trace``: record what each compression kept (for
+    :func:`~cords_vllm.lab.reference.layer_outputs.attention_outputs`)."""
     from vllm import SamplingParams
 
+    from cords_vllm.integration.inprocess.introspect import snapshot
+    from cords_vllm.lab.reference.exactness import evictions_of
+
+    if trace:
+        os.environ["CORDS_VLLM_TRACE"] = "1"  # read when the engine is built
+    events: list[Any] = []
     params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=-1)
     outputs, held = run_cell(checkpoint, examples, spec, budget, shape, params,
-                             engine_overrides={"max_logprobs": -1})
-    return answer_logprobs(outputs, vocab_size(checkpoint)), [o.outputs[0].text for o in outputs], held
+                             engine_overrides={"max_logprobs": -1},
+                             on_llm=(lambda llm: events.extend(snapshot(llm).events)) if trace else None)
+    # the engine's request ids are the outputs' (possibly with a "-suffix"): "1" must not take "10"'s events
+    evictions = [evictions_of([e for e in events if e.req_id == o.request_id or e.req_id.startswith(
+        o.request_id + "-")]) for o in outputs] if trace else None
+    return CellOutputs(answer_logprobs(outputs, vocab_size(checkpoint)), [o.outputs[0].text for o in outputs], held,
+                       evictions)
 
 
 def evaluate_fidelity(checkpoint: str | Path, examples: Sequence[VQAExample], policies: Sequence[PolicySpec | str],
                       fractions: Sequence[float], shape: EngineShape,
-                      on_cell: Callable[[CellFidelity], None] | None = None) -> list[CellFidelity]:
-    """Full KV, then every (policy, fraction) cell; each policy cell's KL from full KV, question by question."""
+                      on_cell: Callable[[CellFidelity], None] | None = None,
+                      attention_questions: int = 0) -> list[CellFidelity]:
+    """Full KV, then every (policy, fraction) cell; each policy cell's KL from full KV, question by question, and
+    for the first ``attention_questions`` questions the attention-output error of every layer (HF reference
+    replaying the engine's evictions)."""
     cells: list[CellFidelity] = []
     full: torch.Tensor | None = None
+    reference, full_outputs = None, {}
+    if attention_questions:
+        from cords_vllm.lab.reference.hf import HFReference
+
+        reference = HFReference(str(checkpoint))
     for spec, fraction, budget in budget_cells(policies, fractions, examples[0].geometry.num_video_tokens,
                                                shape.block_size):
         started = time.perf_counter()
-        logprobs, predictions, held = run_distributions(checkpoint, examples, spec, budget, shape)
+        run = run_distributions(checkpoint, examples, spec, budget, shape, trace=bool(attention_questions))
         if full is None:
-            full = logprobs
-        cell = CellFidelity(spec.label, spec.policy, fraction, budget, held, predictions,
-                            answer_hits(examples, predictions), kl_from_full(full, logprobs).tolist(),
+            full = run.logprobs
+        cell = CellFidelity(spec.label, spec.policy, fraction, budget, run.held, run.answers,
+                            answer_hits(examples, run.answers), kl_from_full(full, run.logprobs).tolist(),
                             time.perf_counter() - started)
+        if reference is not None and fraction is not None:
+            cell.layer_errors = layer_errors_of(reference, examples[:attention_questions], run.evictions,
+                                                full_outputs)
         cells.append(cell)
         if on_cell:
             on_cell(cell)
     return cells
+
+
+def layer_errors_of(reference: Any, examples: Sequence[VQAExample], evictions: Sequence[dict[int, Any]],
+                    full_outputs: dict[int, torch.Tensor]) -> list[list[float]]:
+    """``[n][L]`` attention-output errors of each question's evictions against full KV (``full_outputs``: the
+    full-KV outputs by question, filled on first use)."""
+    from cords_vllm.lab.reference.layer_outputs import attention_outputs, layer_errors
+
+    errors = []
+    for i, example in enumerate(examples):
+        if i not in full_outputs:
+            full_outputs[i] = attention_outputs(reference, example.prompt, example.frames)
+        mine = attention_outputs(reference, example.prompt, example.frames, evictions[i])
+        errors.append(layer_errors(full_outputs[i], mine).tolist())
+    return errors
 
 
 def compare(cells: Sequence[CellFidelity], reference: str = "cords", *, kl_margin: float = 0.0,
@@ -148,11 +200,12 @@ def compare(cells: Sequence[CellFidelity], reference: str = "cords", *, kl_margi
 
 def markdown(cells: Sequence[CellFidelity], rows: Sequence[dict[str, Any]], header: str) -> str:
     """The cells' table (accuracy, mean KL, tokens held) and the paired comparisons' table."""
-    lines = [header, "", "| policy | fraction | budget | held | accuracy | mean KL from full (nats) | cell s |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [header, "", "| policy | fraction | budget | held | accuracy | mean KL from full (nats) | attention-output "
+             "error by layer (mean) | cell s |", "|---|---|---|---|---|---|---|---|"]
     for c in cells:
+        by_layer = " / ".join(f"{e:.3f}" for e in np.mean(c.layer_errors, axis=0)) if c.layer_errors else "-"
         lines.append(f"| {c.label} | {c.fraction if c.fraction is not None else 'full'} | {c.budget or '-'} | "
-                     f"{c.held:.0f} | {100 * c.accuracy:.1f}% | {c.mean_kl:.4f} | {c.seconds:.1f} |")
+                     f"{c.held:.0f} | {100 * c.accuracy:.1f}% | {c.mean_kl:.4f} | {by_layer} | {c.seconds:.1f} |")
     lines += ["", "Paired against the reference, same questions (95% paired bootstrap; reference minus other):", "",
               "| fraction | other | KL difference [95%] | verdict (KL) | n to decide | accuracy difference [95%] | "
               "verdict (accuracy) | McNemar p |", "|---|---|---|---|---|---|---|---|"]
