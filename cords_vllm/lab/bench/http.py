@@ -8,6 +8,7 @@ import time
 import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from cords_vllm.integration.handoff.published import PUBLISH_INTERVAL_S
 from cords_vllm.lab.bench.offline import PolicyResult
@@ -59,21 +60,10 @@ def run_http(base_url: str, label: str, workload: VideoWorkload | VQAWorkload,
     timeline: list[tuple[float, int, int]] = []
     stop = threading.Event()
     t0 = time.perf_counter()
-
-    def poll():
-        while not stop.is_set():
-            m = scrape(base_url)
-            # kv_cache_usage_perc is a fraction of the pool in vLLM 0.32
-            in_use = round(total_blocks * m.get("vllm:kv_cache_usage_perc", 0.0))
-            timeline.append((time.perf_counter() - t0, in_use, int(m.get("vllm:num_requests_running", 0))))
-            stop.wait(poll_seconds)
-
-    poller = threading.Thread(target=poll, daemon=True)
+    poller = threading.Thread(target=_sample_blocks, args=(base_url, total_blocks, t0, poll_seconds, timeline, stop),
+                              daemon=True)
     poller.start()
-    ttft: list[float] = []
-    texts: dict[str, str] = {}
-    usage = {"prompt": 0, "output": 0}
-    lock = threading.Lock()
+    tally = _Tally()
 
     def one(request):
         time.sleep(max(0.0, request.arrival - (time.perf_counter() - t0)))
@@ -85,23 +75,7 @@ def run_http(base_url: str, label: str, workload: VideoWorkload | VQAWorkload,
             messages=[{"role": "user", "content": [
                 {"type": "video_url", "video_url": {"url": urls[request.request_id]}},
                 {"type": "text", "text": request.question}]}])
-        first = None
-        parts = []
-        for chunk in stream:
-            if chunk.choices and chunk.choices[0].delta.content:
-                parts.append(chunk.choices[0].delta.content)
-                if first is None:
-                    first = time.perf_counter() - sent
-            if chunk.usage:
-                with lock:
-                    usage["prompt"] += chunk.usage.prompt_tokens
-                    usage["output"] += chunk.usage.completion_tokens
-                    usage["fewest_prompt"] = min(usage.get("fewest_prompt", chunk.usage.prompt_tokens),
-                                                 chunk.usage.prompt_tokens)
-        with lock:
-            texts[request.request_id] = "".join(parts)
-            if first is not None:
-                ttft.append(first)
+        tally.read(request.request_id, stream, sent)
         if on_progress:
             on_progress(1)
 
@@ -112,22 +86,72 @@ def run_http(base_url: str, label: str, workload: VideoWorkload | VQAWorkload,
     poller.join()
     time.sleep(2 * PUBLISH_INTERVAL_S)  # the plugin publishes its counters at most this late
     after = scrape(base_url)
-    least = workload.video_tokens if min_prompt_tokens is None else min_prompt_tokens
-    if usage.get("fewest_prompt", least) < least:
-        raise RuntimeError(
-            f"the server read a {usage['fewest_prompt']}-token prompt for a video of {workload.video_tokens} "
-            f"tokens ({workload.frames} frames): it sampled the frames (vLLM keeps 32 by default). Start it "
-            """with --media-io-kwargs '{"video": {"num_frames": -1}}' to keep every frame.""")
+    _check_every_frame_read(tally.usage, workload, min_prompt_tokens)
 
     def delta(name):
         return after.get(name, 0.0) - before.get(name, 0.0)
 
     return PolicyResult(
         label=label, policy=label, config={}, num_requests=len(requests), wall_seconds=wall,
-        prompt_tokens=usage["prompt"], output_tokens=usage["output"], ttft_seconds=ttft,
+        prompt_tokens=tally.usage["prompt"], output_tokens=tally.usage["output"], ttft_seconds=tally.ttft,
         peak_running=max((r for _, _, r in timeline), default=0),
         peak_blocks_in_use=max((b for _, b, _ in timeline), default=0), total_blocks=total_blocks,
         preemptions=int(delta("vllm:num_preemptions_total")),
         compressions=int(delta("cords_vllm_compressions_total")),
-        selection_seconds=delta("cords_vllm_selection_seconds_total"), timeline=timeline, answers=texts,
+        selection_seconds=delta("cords_vllm_selection_seconds_total"), timeline=timeline, answers=tally.texts,
     )
+
+
+def _sample_blocks(base_url: str, total_blocks: int, t0: float, poll_seconds: float,
+                   timeline: list[tuple[float, int, int]], stop: threading.Event) -> None:
+    """Until ``stop``: every ``poll_seconds``, append ``(seconds since t0, KV blocks in use, running requests)``
+    read from ``/metrics`` to ``timeline``."""
+    while not stop.is_set():
+        m = scrape(base_url)
+        # kv_cache_usage_perc is a fraction of the pool in vLLM 0.32
+        in_use = round(total_blocks * m.get("vllm:kv_cache_usage_perc", 0.0))
+        timeline.append((time.perf_counter() - t0, in_use, int(m.get("vllm:num_requests_running", 0))))
+        stop.wait(poll_seconds)
+
+
+class _Tally:
+    """What the workload's streamed answers add up to, read by the request threads at once: each answer's text,
+    time to its first token, and the tokens used (``fewest_prompt``: the shortest prompt)."""
+
+    def __init__(self) -> None:
+        self.ttft: list[float] = []
+        self.texts: dict[str, str] = {}
+        self.usage = {"prompt": 0, "output": 0}
+        self.lock = threading.Lock()
+
+    def read(self, request_id: str, stream: Any, sent: float) -> None:
+        """Read one streamed answer to its end (``sent``: when its request was sent) and add it."""
+        first = None
+        parts = []
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                parts.append(chunk.choices[0].delta.content)
+                if first is None:
+                    first = time.perf_counter() - sent
+            if chunk.usage:
+                with self.lock:
+                    self.usage["prompt"] += chunk.usage.prompt_tokens
+                    self.usage["output"] += chunk.usage.completion_tokens
+                    self.usage["fewest_prompt"] = min(self.usage.get("fewest_prompt", chunk.usage.prompt_tokens),
+                                                      chunk.usage.prompt_tokens)
+        with self.lock:
+            self.texts[request_id] = "".join(parts)
+            if first is not None:
+                self.ttft.append(first)
+
+
+def _check_every_frame_read(usage: dict[str, int], workload: VideoWorkload | VQAWorkload,
+                            min_prompt_tokens: int | None) -> None:
+    """``RuntimeError`` when the shortest prompt is under ``min_prompt_tokens`` (default: the video's tokens): the
+    server sampled the frames."""
+    least = workload.video_tokens if min_prompt_tokens is None else min_prompt_tokens
+    if usage.get("fewest_prompt", least) < least:
+        raise RuntimeError(
+            f"the server read a {usage['fewest_prompt']}-token prompt for a video of {workload.video_tokens} "
+            f"tokens ({workload.frames} frames): it sampled the frames (vLLM keeps 32 by default). Start it "
+            """with --media-io-kwargs '{"video": {"num_frames": -1}}' to keep every frame.""")

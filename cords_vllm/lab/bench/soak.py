@@ -147,16 +147,7 @@ def run_soak(base_url: str, *, minutes: float, workers: int, frames: Callable[[r
                         count("questions")
                     if time.monotonic() > end:
                         break
-                path = f"/v1/streams/{stream.id}"
-                if ending == "close":
-                    stream.close()
-                elif ending == "vanish-push":
-                    body = json.dumps({"frames": [frame_data_url(f) for f in frames(rng)]}).encode()
-                    _vanish(host, port, path + "/frames", body, api_key, read_first=False)
-                elif ending == "vanish-answer":
-                    body = json.dumps({"question": "What color was the square?", "max_tokens": 64,
-                                       "stream": True}).encode()
-                    _vanish(host, port, path + "/ask", body, api_key, read_first=True)
+                _end_stream(stream, ending, frames(rng) if ending == "vanish-push" else None, host, port, api_key)
                 count("endings", ending)
             except StreamAPIError as exc:
                 count("client_errors", f"{exc.status}: {exc.message[:60]}")
@@ -165,15 +156,8 @@ def run_soak(base_url: str, *, minutes: float, workers: int, frames: Callable[[r
             except OSError as exc:
                 count("client_errors", f"connection: {type(exc).__name__}")
 
-    def sample_rss(stop: threading.Event) -> None:
-        while not stop.is_set():
-            now, by_process = time.monotonic() - t0, process_tree_rss_mb(server_pid)
-            result.rss_mb.append((now, sum(by_process.values())))
-            result.rss_by_process.append((now, by_process))
-            stop.wait(2.0)
-
     stop = threading.Event()
-    sampler = threading.Thread(target=sample_rss, args=(stop,), daemon=True)
+    sampler = threading.Thread(target=_sample_rss, args=(result, server_pid, t0, stop), daemon=True)
     sampler.start()
     threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(workers)]
     for t in threads:
@@ -190,3 +174,29 @@ def run_soak(base_url: str, *, minutes: float, workers: int, frames: Callable[[r
     stop.set()
     sampler.join()
     return result
+
+
+def _end_stream(stream: Any, ending: str, push: np.ndarray | None, host: str, port: str,
+                api_key: str | None) -> None:
+    """End ``stream`` the way ``ending`` says: ``close`` it, ``vanish-push`` (half of a push of ``push``'s frames
+    sent, then the connection dropped), ``vanish-answer`` (a streamed answer dropped after its first bytes), or
+    ``walk-away`` (nothing: the stream expires)."""
+    path = f"/v1/streams/{stream.id}"
+    if ending == "close":
+        stream.close()
+    elif ending == "vanish-push":
+        body = json.dumps({"frames": [frame_data_url(f) for f in push]}).encode()
+        _vanish(host, port, path + "/frames", body, api_key, read_first=False)
+    elif ending == "vanish-answer":
+        body = json.dumps({"question": "What color was the square?", "max_tokens": 64,
+                           "stream": True}).encode()
+        _vanish(host, port, path + "/ask", body, api_key, read_first=True)
+
+
+def _sample_rss(result: SoakResult, server_pid: int, t0: float, stop: threading.Event) -> None:
+    """Until ``stop``: every 2 s, add the server's resident memory (in all and per process) to ``result``."""
+    while not stop.is_set():
+        now, by_process = time.monotonic() - t0, process_tree_rss_mb(server_pid)
+        result.rss_mb.append((now, sum(by_process.values())))
+        result.rss_by_process.append((now, by_process))
+        stop.wait(2.0)

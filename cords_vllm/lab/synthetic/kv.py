@@ -124,6 +124,42 @@ def make_synthetic_kv(
     dtype:
         Output dtype (generated in float32).
     """
+    _check_kv_args(num_frames, tokens_per_frame, num_heads, head_dim, batch, scene_length, static_fraction,
+                   repeat_fraction, needle_position, noise)
+    n_pos = tokens_per_frame
+    size = max(1, min(n_pos, object_size if object_size is not None else n_pos // 4))
+    layout = _draw_layout(num_frames, n_pos, seed, scene_length, static_fraction, repeat_fraction, needle,
+                          needle_position)
+    needle_tokens = torch.zeros(num_frames * n_pos, dtype=torch.bool)
+    for f in layout.needle_frames:
+        needle_tokens[f * n_pos:(f + 1) * n_pos] = layout.needle_pos
+    object_tokens = torch.zeros(num_frames, n_pos, dtype=torch.bool)
+
+    keys_out, values_out = [], []
+    for b in range(batch):
+        g = torch.Generator().manual_seed(seed * 1000003 + b + 1)
+        latent = _draw_latent(layout, g, size, noise, latent_dim, object_tokens if b == 0 else None)
+        k, v = _project(latent, g, num_heads, head_dim)
+        keys_out.append(k)
+        values_out.append(v)
+
+    return SyntheticKV(
+        keys=torch.stack(keys_out).to(dtype),
+        values=torch.stack(values_out).to(dtype),
+        tokens_per_frame=n_pos,
+        frame_scene=layout.frame_scene,
+        static_scenes=tuple(int(i) for i in torch.nonzero(layout.static).flatten().tolist()),
+        repeated_frames=tuple(layout.repeats),
+        needle_frames=layout.needle_frames,
+        needle_tokens=needle_tokens,
+        object_tokens=object_tokens.reshape(-1),
+    )
+
+
+def _check_kv_args(num_frames: int, tokens_per_frame: int, num_heads: int, head_dim: int, batch: int,
+                   scene_length: int, static_fraction: float, repeat_fraction: float, needle_position: float | None,
+                   noise: float) -> None:
+    """Raise ``ValueError`` naming the first argument of :func:`make_synthetic_kv` out of its range."""
     if num_frames < 1 or tokens_per_frame < 1 or num_heads < 1 or head_dim < 1 or batch < 1:
         raise ValueError("num_frames, tokens_per_frame, num_heads, head_dim and batch must be >= 1")
     if scene_length < 1:
@@ -135,10 +171,26 @@ def make_synthetic_kv(
         raise ValueError(f"needle_position: must be in [0, 1), got {needle_position}")
     if noise < 0:
         raise ValueError(f"noise: must be >= 0, got {noise}")
-    t_count, n_pos, lat = num_frames, tokens_per_frame, latent_dim
-    size = max(1, min(n_pos, object_size if object_size is not None else n_pos // 4))
 
-    # Layout (shared by all problems of the batch): scenes, static flags, repeats, needle.
+
+@dataclass(frozen=True)
+class _Layout:
+    """What every problem of a batch shares: scenes, which are static, repeated frames, the needle, and each
+    scene's object start and speed."""
+
+    frame_scene: tuple[int, ...]
+    scene_length: int
+    static: torch.Tensor
+    repeats: list[tuple[int, int]]
+    needle_frames: tuple[int, ...]
+    needle_pos: torch.Tensor
+    starts: torch.Tensor
+    speeds: torch.Tensor
+
+
+def _draw_layout(t_count: int, n_pos: int, seed: int, scene_length: int, static_fraction: float,
+                 repeat_fraction: float, needle: bool, needle_position: float | None) -> _Layout:
+    """The batch's :class:`_Layout`, drawn from its own generator seeded with ``seed``."""
     layout = torch.Generator().manual_seed(seed)
     n_scenes = cdiv(t_count, scene_length)
     frame_scene = tuple(t // scene_length for t in range(t_count))
@@ -161,61 +213,59 @@ def make_synthetic_kv(
     lo, hi = n_pos // 4, n_pos - n_pos // 4
     needle_pos = torch.zeros(n_pos, dtype=torch.bool)
     needle_pos[lo:max(hi, lo + 1)] = True
-    needle_tokens = torch.zeros(t_count * n_pos, dtype=torch.bool)
-    for f in needle_frames:
-        needle_tokens[f * n_pos:(f + 1) * n_pos] = needle_pos
-    object_tokens = torch.zeros(t_count, n_pos, dtype=torch.bool)
+    return _Layout(frame_scene, scene_length, static, repeats, needle_frames, needle_pos, starts, speeds)
 
-    keys_out, values_out = [], []
+
+def _draw_latent(layout: _Layout, g: torch.Generator, size: int, noise: float, lat: int,
+                 object_tokens: torch.Tensor | None) -> torch.Tensor:
+    """One problem's latent content ``[F, T, L]``: scene backgrounds and objects, drift and noise in moving scenes,
+    the repeats and the needle. ``object_tokens`` (``bool [F, T]``, the first problem's), when given, is marked
+    where the objects are."""
+    t_count, n_pos = len(layout.frame_scene), len(layout.needle_pos)
+    n_scenes = len(layout.static)
     ramp = torch.linspace(0.0, 1.0, n_pos)[:, None]  # [T, 1]
-    for b in range(batch):
-        g = torch.Generator().manual_seed(seed * 1000003 + b + 1)
-        scene_a = torch.randn(n_scenes, lat, generator=g)
-        scene_g = torch.randn(n_scenes, lat, generator=g)
-        scene_obj = 1.5 * torch.randn(n_scenes, lat, generator=g)
-        grey = 0.3 * torch.randn(lat, generator=g)
-        needle_vec = 4.0 * torch.randn(lat, generator=g)
-        latent = torch.empty(t_count, n_pos, lat)
-        for t in range(t_count):
-            s = frame_scene[t]
-            frame = scene_a[s] + ramp * scene_g[s]  # [T, L]
-            k_in_scene = t - s * scene_length
-            shift = 0 if bool(static[s]) else int(speeds[s]) * k_in_scene
-            where = (int(starts[s]) + shift + torch.arange(size)) % n_pos
-            frame[where] = scene_obj[s]
-            if b == 0:
-                object_tokens[t, where] = True
-            if not bool(static[s]):
-                frame = frame + 2.0 * noise * torch.randn(lat, generator=g)  # per-frame drift
-                frame = frame + noise * torch.randn(n_pos, lat, generator=g)  # per-token noise
-            latent[t] = frame
-        for f, src in repeats:
-            latent[f] = latent[src]
-            if b == 0:
-                object_tokens[f] = object_tokens[src]
-        for f in needle_frames:
-            latent[f] = grey
-            latent[f, needle_pos] = needle_vec
-            if b == 0:
-                object_tokens[f] = False
-        w_k = torch.randn(num_heads, lat, head_dim, generator=g) / lat ** 0.5
-        w_v = torch.randn(num_heads, lat, head_dim, generator=g) / lat ** 0.5
-        pos_k = 0.5 * torch.randn(num_heads, n_pos, head_dim, generator=g)
-        pos_v = 0.1 * torch.randn(num_heads, n_pos, head_dim, generator=g)
-        flat = latent.reshape(t_count * n_pos, lat)
-        k = torch.einsum("nl,hld->hnd", flat, w_k) + pos_k.repeat(1, t_count, 1)
-        v = torch.einsum("nl,hld->hnd", flat, w_v) + pos_v.repeat(1, t_count, 1)
-        keys_out.append(k)
-        values_out.append(v)
+    scene_a = torch.randn(n_scenes, lat, generator=g)
+    scene_g = torch.randn(n_scenes, lat, generator=g)
+    scene_obj = 1.5 * torch.randn(n_scenes, lat, generator=g)
+    grey = 0.3 * torch.randn(lat, generator=g)
+    needle_vec = 4.0 * torch.randn(lat, generator=g)
+    latent = torch.empty(t_count, n_pos, lat)
+    for t in range(t_count):
+        s = layout.frame_scene[t]
+        frame = scene_a[s] + ramp * scene_g[s]  # [T, L]
+        k_in_scene = t - s * layout.scene_length
+        static = bool(layout.static[s])
+        shift = 0 if static else int(layout.speeds[s]) * k_in_scene
+        where = (int(layout.starts[s]) + shift + torch.arange(size)) % n_pos
+        frame[where] = scene_obj[s]
+        if object_tokens is not None:
+            object_tokens[t, where] = True
+        if not static:
+            frame = frame + 2.0 * noise * torch.randn(lat, generator=g)  # per-frame drift
+            frame = frame + noise * torch.randn(n_pos, lat, generator=g)  # per-token noise
+        latent[t] = frame
+    for f, src in layout.repeats:
+        latent[f] = latent[src]
+        if object_tokens is not None:
+            object_tokens[f] = object_tokens[src]
+    for f in layout.needle_frames:
+        latent[f] = grey
+        latent[f, layout.needle_pos] = needle_vec
+        if object_tokens is not None:
+            object_tokens[f] = False
+    return latent
 
-    return SyntheticKV(
-        keys=torch.stack(keys_out).to(dtype),
-        values=torch.stack(values_out).to(dtype),
-        tokens_per_frame=n_pos,
-        frame_scene=frame_scene,
-        static_scenes=tuple(int(i) for i in torch.nonzero(static).flatten().tolist()),
-        repeated_frames=tuple(repeats),
-        needle_frames=needle_frames,
-        needle_tokens=needle_tokens,
-        object_tokens=object_tokens.reshape(-1),
-    )
+
+def _project(latent: torch.Tensor, g: torch.Generator, num_heads: int,
+             head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values ``[H, N, D]`` of ``latent``: each KV head's random projection plus a per-position term
+    (larger for keys, which carry position as rotary keys do)."""
+    t_count, n_pos, lat = latent.shape
+    w_k = torch.randn(num_heads, lat, head_dim, generator=g) / lat ** 0.5
+    w_v = torch.randn(num_heads, lat, head_dim, generator=g) / lat ** 0.5
+    pos_k = 0.5 * torch.randn(num_heads, n_pos, head_dim, generator=g)
+    pos_v = 0.1 * torch.randn(num_heads, n_pos, head_dim, generator=g)
+    flat = latent.reshape(t_count * n_pos, lat)
+    k = torch.einsum("nl,hld->hnd", flat, w_k) + pos_k.repeat(1, t_count, 1)
+    v = torch.einsum("nl,hld->hnd", flat, w_v) + pos_v.repeat(1, t_count, 1)
+    return k, v

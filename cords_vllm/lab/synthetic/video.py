@@ -100,6 +100,27 @@ def make_video(
     noise:
         Amplitude of the per-pixel noise in moving scenes.
     """
+    _check_video_args(num_frames, height, width, scene_length, static_fraction, repeat_fraction, needle_position,
+                      needle_colour, temporal_patch)
+    rng = np.random.default_rng(seed)
+    frames = np.empty((num_frames, height, width, 3), dtype=np.uint8)
+    scene_starts, static_scenes = _draw_scenes(rng, frames, scene_length, static_fraction, noise)
+    repeated = _repeat_patches(rng, frames, repeat_fraction, temporal_patch)
+    needle_frames: tuple[int, ...] = ()
+    colour_name = None
+    if needle:
+        needle_frames, colour_name = _draw_needle(rng, frames, needle_position, needle_colour, temporal_patch)
+        repeated = [(f, s) for f, s in repeated if f not in needle_frames and s not in needle_frames]
+
+    return SyntheticVideo(frames=frames, scene_starts=scene_starts, static_scenes=static_scenes,
+                          repeated_frames=tuple(repeated), needle_frames=needle_frames,
+                          needle_colour=colour_name)
+
+
+def _check_video_args(num_frames: int, height: int, width: int, scene_length: int, static_fraction: float,
+                      repeat_fraction: float, needle_position: float | None, needle_colour: str | None,
+                      temporal_patch: int) -> None:
+    """Raise ``ValueError`` naming the first argument of :func:`make_video` out of its range."""
     if num_frames <= 0 or num_frames % temporal_patch:
         raise ValueError(f"num_frames must be a positive multiple of temporal_patch={temporal_patch}, "
                          f"got {num_frames}")
@@ -115,8 +136,12 @@ def make_video(
     if needle_colour is not None and needle_colour not in NEEDLE_COLOURS:
         raise ValueError(f"needle_colour must be one of {sorted(NEEDLE_COLOURS)}, got {needle_colour!r}")
 
-    rng = np.random.default_rng(seed)
-    frames = np.empty((num_frames, height, width, 3), dtype=np.uint8)
+
+def _draw_scenes(rng: np.random.Generator, frames: np.ndarray, scene_length: int, static_fraction: float,
+                 noise: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Fill ``frames`` scene by scene: a two-colour gradient background and one object, moving with pixel noise
+    unless the scene is static. Returns ``(scene_starts, static_scenes)``."""
+    num_frames, height, width, _ = frames.shape
     yy, xx = np.mgrid[0:height, 0:width].astype(np.float32)
     ramp = (xx / max(width - 1, 1) + yy / max(height - 1, 1)) / 2.0  # [H, W] in [0, 1]
 
@@ -143,9 +168,14 @@ def make_video(
             if not static and noise > 0:
                 frame += rng.integers(-noise, noise + 1, size=frame.shape)
             frames[t] = np.clip(frame, 0, 255).astype(np.uint8)
+    return scene_starts, tuple(static_scenes)
 
-    # Repeated patches: copy an earlier temporal patch over a later one.
-    num_patches = num_frames // temporal_patch
+
+def _repeat_patches(rng: np.random.Generator, frames: np.ndarray, repeat_fraction: float,
+                    temporal_patch: int) -> list[tuple[int, int]]:
+    """Copy an earlier temporal patch over ``repeat_fraction`` of the later ones, in place; returns the
+    ``(frame, source)`` pairs copied."""
+    num_patches = len(frames) // temporal_patch
     repeated: list[tuple[int, int]] = []
     n_repeat = round(repeat_fraction * num_patches)
     if n_repeat and num_patches > 1:
@@ -156,24 +186,25 @@ def make_video(
             for j in range(temporal_patch):
                 frames[p * temporal_patch + j] = frames[src * temporal_patch + j]
                 repeated.append((p * temporal_patch + j, src * temporal_patch + j))
+    return repeated
 
-    needle_frames: tuple[int, ...] = ()
-    colour_name = None
-    if needle:
-        pos = rng.random() if needle_position is None else needle_position
-        colour_name = needle_colour or str(rng.choice(sorted(NEEDLE_COLOURS)))
-        patch = min(int(pos * num_patches), num_patches - 1)
-        needle_frames = tuple(range(patch * temporal_patch, (patch + 1) * temporal_patch))
-        side = min(height, width) // 2
-        y, x = (height - side) // 2, (width - side) // 2
-        for t in needle_frames:
-            frames[t] = 128
-            frames[t, y:y + side, x:x + side] = NEEDLE_COLOURS[colour_name]
-        repeated = [(f, s) for f, s in repeated if f not in needle_frames and s not in needle_frames]
 
-    return SyntheticVideo(frames=frames, scene_starts=scene_starts, static_scenes=tuple(static_scenes),
-                          repeated_frames=tuple(repeated), needle_frames=needle_frames,
-                          needle_colour=colour_name)
+def _draw_needle(rng: np.random.Generator, frames: np.ndarray, needle_position: float | None,
+                 needle_colour: str | None, temporal_patch: int) -> tuple[tuple[int, ...], str]:
+    """Draw the needle over one temporal patch, in place: a saturated square on flat grey. Returns its frames and
+    its colour's name."""
+    num_frames, height, width, _ = frames.shape
+    num_patches = num_frames // temporal_patch
+    pos = rng.random() if needle_position is None else needle_position
+    colour_name = needle_colour or str(rng.choice(sorted(NEEDLE_COLOURS)))
+    patch = min(int(pos * num_patches), num_patches - 1)
+    needle_frames = tuple(range(patch * temporal_patch, (patch + 1) * temporal_patch))
+    side = min(height, width) // 2
+    y, x = (height - side) // 2, (width - side) // 2
+    for t in needle_frames:
+        frames[t] = 128
+        frames[t, y:y + side, x:x + side] = NEEDLE_COLOURS[colour_name]
+    return needle_frames, colour_name
 
 
 def with_metadata(frames: np.ndarray, fps: float = 2.0, first: int = 0) -> tuple[np.ndarray, dict]:
