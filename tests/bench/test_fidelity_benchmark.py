@@ -59,6 +59,8 @@ def test_the_benchmark_pairs_every_policy_with_the_reference(tmp_path: Path, cap
     assert set(cells) == {("none", None), ("cords", 0.25), ("uniform", 0.25)}
     assert cells[("none", None)]["kl"] == [0.0] * payload["questions"]
     assert cells[("none", None)]["layer_errors"] == [] and len(cells[("cords", 0.25)]["layer_errors"]) == 2
+    assert cells[("none", None)]["compressions"] == 0 and cells[("cords", 0.25)]["compressions"] > 0
+    assert cells[("cords", 0.25)]["compress_seconds"] > 0  # the engine's own timing of what selecting costs
     (row,) = payload["comparisons"]
     assert (row["reference"], row["other"], row["fraction"]) == ("cords", "uniform", 0.25)
     kl_diff = np.mean(cells[("cords", 0.25)]["kl"]) - np.mean(cells[("uniform", 0.25)]["kl"])

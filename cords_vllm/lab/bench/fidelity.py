@@ -46,14 +46,22 @@ class CellFidelity:
     predictions: list[str]
     hits: list[bool]
     kl: list[float] = field(default_factory=list)
-    #: Wall seconds of the cell (engine start-up included): what selecting in every layer costs, beside accuracy.
+    #: Wall seconds of the cell (engine start-up included).
     seconds: float = 0.0
+    #: The cell's compressions and their selection seconds (the engine's own timing): what selecting in every
+    #: layer costs, beside accuracy.
+    compressions: int = 0
+    compress_seconds: float = 0.0
     #: ``[n][L]``: every attention layer's output error at the answer for the first ``n`` questions (or empty).
     layer_errors: list[list[float]] = field(default_factory=list)
 
     @property
     def accuracy(self) -> float:
         return float(np.mean(self.hits))
+
+    @property
+    def ms_per_compression(self) -> str:
+        return f"{1e3 * self.compress_seconds / self.compressions:.2f}" if self.compressions else "-"
 
     @property
     def mean_kl(self) -> float:
@@ -92,6 +100,9 @@ class CellOutputs:
     answers: list[str]
     held: float
     evictions: list[dict[int, Any]] | None = None
+    #: The engine's compressions and the seconds its selections took (the compress step's own timing).
+    compressions: int = 0
+    compress_seconds: float = 0.0
 
 
 def run_distributions(checkpoint: str | Path, examples: Sequence[VQAExample], spec: PolicySpec | str,
@@ -105,16 +116,17 @@ def run_distributions(checkpoint: str | Path, examples: Sequence[VQAExample], sp
 
     if trace:
         os.environ["CORDS_VLLM_TRACE"] = "1"  # read when the engine is built
-    events: list[Any] = []
+    snapshots: list[Any] = []
     params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=-1)
     outputs, held = run_cell(checkpoint, examples, spec, budget, shape, params,
-                             engine_overrides={"max_logprobs": -1},
-                             on_llm=(lambda llm: events.extend(snapshot(llm).events)) if trace else None)
+                             engine_overrides={"max_logprobs": -1}, on_llm=lambda llm: snapshots.append(snapshot(llm)))
+    (snap,) = snapshots
+    events = list(snap.events)
     # the engine's request ids are the outputs' (possibly with a "-suffix"): "1" must not take "10"'s events
     evictions = [evictions_of([e for e in events if e.req_id == o.request_id or e.req_id.startswith(
         o.request_id + "-")]) for o in outputs] if trace else None
     return CellOutputs(answer_logprobs(outputs, vocab_size(checkpoint)), [o.outputs[0].text for o in outputs], held,
-                       evictions)
+                       evictions, snap.compressions, snap.selection_seconds)
 
 
 def evaluate_fidelity(checkpoint: str | Path, examples: Sequence[VQAExample], policies: Sequence[PolicySpec | str],
@@ -139,7 +151,7 @@ def evaluate_fidelity(checkpoint: str | Path, examples: Sequence[VQAExample], po
             full = run.logprobs
         cell = CellFidelity(spec.label, spec.policy, fraction, budget, run.held, run.answers,
                             answer_hits(examples, run.answers), kl_from_full(full, run.logprobs).tolist(),
-                            time.perf_counter() - started)
+                            time.perf_counter() - started, run.compressions, run.compress_seconds)
         if reference is not None and fraction is not None:
             cell.layer_errors = layer_errors_of(reference, examples[:attention_questions], run.evictions,
                                                 full_outputs)
@@ -201,11 +213,12 @@ def compare(cells: Sequence[CellFidelity], reference: str = "cords", *, kl_margi
 def markdown(cells: Sequence[CellFidelity], rows: Sequence[dict[str, Any]], header: str) -> str:
     """The cells' table (accuracy, mean KL, tokens held) and the paired comparisons' table."""
     lines = [header, "", "| policy | fraction | budget | held | accuracy | mean KL from full (nats) | attention-output "
-             "error by layer (mean) | cell s |", "|---|---|---|---|---|---|---|---|"]
+             "error by layer (mean) | compress ms each | cell s |", "|---|---|---|---|---|---|---|---|---|"]
     for c in cells:
         by_layer = " / ".join(f"{e:.3f}" for e in np.mean(c.layer_errors, axis=0)) if c.layer_errors else "-"
         lines.append(f"| {c.label} | {c.fraction if c.fraction is not None else 'full'} | {c.budget or '-'} | "
-                     f"{c.held:.0f} | {100 * c.accuracy:.1f}% | {c.mean_kl:.4f} | {by_layer} | {c.seconds:.1f} |")
+                     f"{c.held:.0f} | {100 * c.accuracy:.1f}% | {c.mean_kl:.4f} | {by_layer} | "
+                     f"{c.ms_per_compression} | {c.seconds:.1f} |")
     lines += ["", "Paired against the reference, same questions (95% paired bootstrap; reference minus other):", "",
               "| fraction | other | KL difference [95%] | verdict (KL) | n to decide | accuracy difference [95%] | "
               "verdict (accuracy) | McNemar p |", "|---|---|---|---|---|---|---|---|"]
