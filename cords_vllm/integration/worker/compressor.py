@@ -23,18 +23,11 @@ vLLM zeroes at the start of ``_update_states`` on a hybrid model
 Each compressed request has one :class:`~cords_vllm.integration.worker.tracker.WorkerRequest`, dropped when it
 finishes, is preempted (it recomputes from scratch) or resumes after a preemption.
 
-A streaming session's next turn reaches the worker as vLLM's ``_update_streaming_request`` (the whole request
-again), with the scheduler's :class:`~cords_vllm.compress.plan.RebasePlan`: the worker keeps the positions of
-the tokens that remain, computes only the new turn's with the model's own M-RoPE rule from the session's next
-position (checked against the scheduler's count), and drops the holes of its row
-(:meth:`WorkerCompressor.turn_positions`). On a 1-D rotary model the turn's positions are the request's indices
-shifted by the tokens removed so far (:meth:`WorkerCompressor.rebase_turn`,
-:mod:`cords_vllm.integration.worker.positions`).
+Streaming sessions' turns (positions, re-basing) are :mod:`cords_vllm.integration.worker.turns`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
@@ -49,7 +42,7 @@ from cords_vllm.compress.attention_view import RowHoles
 from cords_vllm.compress.frames import frame_sizes, label_runs, layout_labels
 from cords_vllm.compress.kv_access import KVAccessor, slots_of
 from cords_vllm.compress.kv_codec import KVCodec, check_kv_cache_dtype
-from cords_vllm.compress.plan import NULL_BLOCK_ID, CompressionPlan, RebasePlan
+from cords_vllm.compress.plan import NULL_BLOCK_ID, CompressionPlan
 from cords_vllm.compress.step import (
     HeldTokens,
     RegionBatch,
@@ -72,7 +65,8 @@ from cords_vllm.integration.worker.pipeline_parallel import stage_anchors
 from cords_vllm.integration.worker.query_capture import QueryCapture
 from cords_vllm.integration.worker.tensor_parallel import tp_head_gatherer
 from cords_vllm.integration.worker.timing import CompressionTimer
-from cords_vllm.integration.worker.tracker import WorkerRequest
+from cords_vllm.integration.worker.tracker import WorkerPlanError, WorkerRequest
+from cords_vllm.integration.worker.turns import SessionTurns
 from cords_vllm.integration.worker.warmup import warm_up_kernels
 from cords_vllm.model_facts import FRAMES_FROM_LAYOUT
 from cords_vllm.selection import get_selector
@@ -84,10 +78,6 @@ logger = logging.getLogger(__name__)
 TRACE_ENV = "CORDS_VLLM_TRACE"
 #: Intra-op threads compression (read, selection, copy) runs with (default 1): see :mod:`cords_vllm.threads`.
 SELECTION_THREADS_ENV = "CORDS_VLLM_SELECTION_THREADS"
-
-
-class WorkerPlanError(RuntimeError):
-    """The worker's view of a request disagrees with the scheduler's plan (a bug, never expected)."""
 
 
 @dataclass(frozen=True)
@@ -174,8 +164,8 @@ class WorkerCompressor:
         self.requests: dict[str, WorkerRequest] = {}
         #: The queries an attention-scored policy observes (``None`` for the others).
         self.capture = self._query_capture(runner, modules) if self.setup.selector.needs_observation else None
-        #: The scheduler's plans for sessions whose next turn has not reached the worker yet.
-        self.turns: dict[str, RebasePlan] = {}
+        #: Streaming sessions' turns: the scheduler's re-base plans until each turn arrives, and its positions.
+        self.sessions = SessionTurns(self.requests, self.block_size)
         self.totals = _Totals()
         #: Device time of each compression: CUDA events on a GPU (read once complete), the host clock on CPU.
         self.timer = CompressionTimer.for_device(self.device)
@@ -209,12 +199,7 @@ class WorkerCompressor:
                                  "expose as rotary_emb")
         return QueryCapture(self.setup.selector, [modules[a] for a in self.setup.anchors],
                             runner.vllm_config.scheduler_config.max_num_seqs, self.config.modalities, self.facts,
-                            runner.vllm_config.model_config.dtype, self.device, self._removed_tokens, rotaries)
-
-    def _removed_tokens(self, req_id: str) -> int:
-        """Tokens re-basing removed from the request so far (0 for a request never compressed)."""
-        tracker = self.requests.get(req_id)
-        return tracker.removed_tokens if tracker is not None else 0
+                            runner.vllm_config.model_config.dtype, self.device, self.sessions.removed_tokens, rotaries)
 
     def _next_position(self, runner: Any, req_id: str) -> int:
         """The rotary position right after the request's newest computed token (M-RoPE: the largest so far)."""
@@ -222,7 +207,7 @@ class WorkerCompressor:
         mrope = getattr(state, "mrope_positions", None)
         if mrope is not None:
             return int(mrope[:, : state.num_computed_tokens].max()) + 1
-        return state.num_computed_tokens + self._removed_tokens(req_id)
+        return state.num_computed_tokens + self.sessions.removed_tokens(req_id)
 
     @staticmethod
     def _cache(module: Any) -> torch.Tensor:
@@ -255,8 +240,8 @@ class WorkerCompressor:
         """Drop requests that left, take this step's 1-D session turns, then carry out this step's plans."""
         if not self.facts.explicit_positions:
             for new in scheduler_output.scheduled_new_reqs or ():
-                if new.req_id in self.turns and new.req_id in runner.requests:
-                    self.rebase_turn(runner.requests[new.req_id])
+                if self.sessions.waiting(new.req_id) and new.req_id in runner.requests:
+                    self.sessions.rebase(runner.requests[new.req_id])
         # A preempted request recomputes from scratch (its state goes when it is preempted); a resumed
         # streaming session keeps its KV and compressed region (its frames are re-read once its prompt grew).
         gone = set(scheduler_output.finished_req_ids or ()) | set(scheduler_output.preempted_req_ids or ())
@@ -268,7 +253,7 @@ class WorkerCompressor:
             if state is None or state.num_computed_tokens == 0:
                 gone.add(req_id)  # resumed after a preemption: recomputes from scratch
         for req_id in set(scheduler_output.finished_req_ids or ()):
-            self.turns.pop(req_id, None)
+            self.sessions.forget(req_id)
         self.failed -= gone
         for req_id in gone:
             if self.capture is not None:
@@ -461,78 +446,3 @@ class WorkerCompressor:
                 req_id=plan.req_id, at_token=base + at, region_blocks=plan.region_blocks,
                 kept_logical=tuple(torch.cat([h.ids.cpu(), tail], dim=1) for h in tracker.held if h is not None),
                 selection_seconds=seconds))
-
-    # ------------------------------------------------------------------------------------------------
-    # Streaming sessions: each turn re-based.
-    def receive_turns(self, scheduler_output: Any) -> None:
-        """Keep this step's :class:`~cords_vllm.compress.plan.RebasePlan` until the session's turn arrives."""
-        for plan in plans_of(scheduler_output):
-            if isinstance(plan, RebasePlan):
-                self.turns[plan.req_id] = plan
-
-    def turn_positions(self, runner: Any, req_state: Any) -> bool:
-        """Set a session's M-RoPE positions for its new turn if the scheduler sent a plan for it (``False``: not
-        a session turn, vLLM computes them).
-
-        vLLM has already replaced the request's prompt, multimodal inputs, row and counts with the scheduler's
-        (re-based) ones; ``req_state.mrope_positions`` still holds the previous turn's positions, ``[3, P]``.
-        The remaining tokens keep theirs (held slots, whose keys are already rotated, keep what stood there:
-        nothing reads them again); the turn's tokens get the model's own positions for the turn alone,
-        moved to start at the session's next position.
-        """
-        plan = self.turns.get(req_state.req_id)
-        old = getattr(req_state, "mrope_positions", None)
-        if plan is None or old is None:
-            return False
-        del self.turns[req_state.req_id]
-        held, removed = plan.held_tokens, plan.removed_tokens
-        start = old.shape[1] - removed  # the turn's first token (the previous turn's kept answer tokens first)
-        next_start = old.shape[1] + req_state.mrope_position_delta
-        turn_features = [dataclasses.replace(f, mm_position=dataclasses.replace(
-            f.mm_position, offset=f.mm_position.offset - start))
-            for f in req_state.mm_features if f.mm_position.offset >= start and f.modality != "prompt_embeds"]
-        turn, _ = runner.get_model().get_mrope_input_positions(req_state.prompt_token_ids[start:], turn_features)
-        positions = torch.cat([old[:, :held], old[:, held + removed:], turn + next_start], dim=1)
-        next_position = int(turn.max()) + 1 + next_start if turn.shape[1] else next_start
-        if next_position != plan.next_position or positions.shape[1] != len(req_state.prompt_token_ids):
-            raise WorkerPlanError(
-                f"session {req_state.req_id}: the worker counts next position {next_position} over "
-                f"{positions.shape[1]} tokens, the scheduler {plan.next_position} over "
-                f"{len(req_state.prompt_token_ids)}")
-        req_state.mrope_positions = positions
-        req_state.mrope_position_delta = next_position - positions.shape[1]
-        self._drop_holes(req_state.req_id, plan)
-        return True
-
-    def _drop_holes(self, req_id: str, plan: RebasePlan) -> WorkerRequest | None:
-        """The session's row lost its null entries (vLLM replaced it with the scheduler's): so does its tracker,
-        which counts the tokens removed. Returns the tracker (``None``: never compressed)."""
-        tracker = self.requests.get(req_id)
-        held, removed = plan.held_tokens, plan.removed_tokens
-        if removed:
-            if tracker is None or tracker.holes[1] * self.block_size != held + removed:
-                raise WorkerPlanError(f"session {req_id}: the worker's region ends at block "
-                                      f"{tracker.holes[1] if tracker else 0}, the scheduler removes tokens "
-                                      f"[{held}, {held + removed})")
-            tracker.holes = (tracker.holes[0], tracker.holes[0])
-            tracker.removed_tokens += removed
-        return tracker
-
-    def rebase_turn(self, req_state: Any) -> None:
-        """A 1-D session's turn arrived (``_update_states`` gave it the scheduler's re-based prompt and row): drop
-        the holes, and from now on shift its positions by every token removed so far (:meth:`position_offsets`),
-        checking that its next position then agrees with the scheduler's count."""
-        plan = self.turns.pop(req_state.req_id)
-        tracker = self._drop_holes(req_state.req_id, plan)
-        removed = tracker.removed_tokens if tracker is not None else 0
-        if len(req_state.prompt_token_ids) + removed != plan.next_position:
-            raise WorkerPlanError(
-                f"session {req_state.req_id}: the worker counts next position {len(req_state.prompt_token_ids)} + "
-                f"{removed} removed, the scheduler {plan.next_position}")
-
-    def position_offsets(self, input_batch: Any) -> list[tuple[int, int]]:
-        """``(batch row, tokens removed)`` of every re-based request of the persistent batch: what its positions
-        lack on a 1-D rotary model (:mod:`cords_vllm.integration.worker.positions`). Host data only."""
-        index = input_batch.req_id_to_index
-        return [(row, tracker.removed_tokens) for req_id, tracker in self.requests.items()
-                if tracker.removed_tokens and (row := index.get(req_id)) is not None]

@@ -77,7 +77,7 @@ def make_update_states(original: Callable) -> Callable:
     def _update_states(self, scheduler_output):
         comp = worker_compressor(self)
         if comp is not None:
-            comp.receive_turns(scheduler_output)
+            comp.sessions.receive(scheduler_output)
         result = original(self, scheduler_output)
         if comp is not None:
             comp.on_step(self, scheduler_output)
@@ -88,7 +88,7 @@ def make_update_states(original: Callable) -> Callable:
 def make_init_mrope_positions(original: Callable) -> Callable:
     def _init_mrope_positions(self, req_state):
         comp = worker_compressor(self)
-        if comp is None or not comp.turn_positions(self, req_state):
+        if comp is None or not comp.sessions.mrope_positions(self, req_state):
             original(self, req_state)
     return _init_mrope_positions
 
@@ -98,7 +98,7 @@ def make_prepare_inputs(original: Callable) -> Callable:
         result = original(self, scheduler_output, num_scheduled_tokens, *args, **kwargs)
         comp = worker_compressor(self)
         if comp is not None and not self.uses_mrope:
-            shift_positions(self.positions, self.query_start_loc.np, comp.position_offsets(self.input_batch))
+            shift_positions(self.positions, self.query_start_loc.np, comp.sessions.position_offsets(self.input_batch))
         if comp is not None and comp.capture is not None:
             comp.capture.prepare(self, num_scheduled_tokens)
         return result

@@ -12,7 +12,7 @@ The offset is added to the runner's ``positions`` buffer after ``_prepare_inputs
 there: the slot mapping (computed inside ``_prepare_inputs`` from the same index positions), ``seq_lens`` and the
 block rows stay request indices. One in-place add per re-based request in the step (a kernel launch on a GPU, no
 host sync, no upload). M-RoPE models keep explicit positions per request instead
-(:meth:`~cords_vllm.integration.worker.compressor.WorkerCompressor.turn_positions`), and a request never re-based
+(:meth:`~cords_vllm.integration.worker.turns.SessionTurns.mrope_positions`), and a request never re-based
 has no offset: neither is touched.
 """
 

@@ -7,6 +7,10 @@ from dataclasses import dataclass
 from cords_vllm.compress.step import HeldTokens
 
 
+class WorkerPlanError(RuntimeError):
+    """The worker's view of a request disagrees with the scheduler's plan (a bug, never expected)."""
+
+
 @dataclass
 class WorkerRequest:
     """What a worker holds for one request it has compressed (created at its first plan).
