@@ -16,12 +16,12 @@ Model of a request's KV row (one full-attention KV cache group):
   hashed: such a request neither reads nor fills vLLM's prefix cache.
 * Attention sees a *physical view* of the row, null entries moved to the end and ``seq_len`` reduced by
   ``bs`` per null entry (:mod:`cords_vllm.compress.attention_view`). That is why kept tokens must fill whole
-  blocks: the number of candidate (video) tokens kept is rounded DOWN, so that protected + kept tokens in the region
+  blocks: the number of candidate tokens kept is rounded DOWN, so that protected + kept tokens in the region
   is a multiple of ``bs`` and the request then holds at most ``budget`` video tokens in all (when its protected
   tokens leave room): neither the block rounding nor the recent window sets a floor above the budget.
 
 Only candidate tokens are evicted: those of the request's videos and images (the scheduler chooses the
-modalities; "video" in the names below means every candidate, a frame sent as an image included). Every
+modalities; "candidate" below means either, a frame sent as an image included). Every
 other token of the region (system text, the question, text between inputs) is protected: kept in every
 layer and not counted in the budget. The recent window is the ``recent`` newest computed video tokens, always
 kept: the region ends at the last full block computed, and the recent video tokens inside it are protected for
@@ -52,7 +52,7 @@ class CandidateSpans:
         previous = 0
         for start, end in self.spans:
             if not previous <= start < end:
-                raise ValueError(f"video spans must be sorted, disjoint and non-empty: {self.spans}")
+                raise ValueError(f"candidate spans must be sorted, disjoint and non-empty: {self.spans}")
             previous = end
 
     @property
@@ -67,9 +67,9 @@ class CandidateSpans:
         return self.count_before(end) - self.count_before(start)
 
     def position_of(self, n: int) -> int:
-        """Logical index of the ``n``-th video token (0-based); ``n`` must be ``< total``."""
+        """Logical index of the ``n``-th candidate token (0-based); ``n`` must be ``< total``."""
         if not 0 <= n < self.total:
-            raise IndexError(f"video token {n} out of range (0..{self.total - 1})")
+            raise IndexError(f"candidate token {n} out of range (0..{self.total - 1})")
         for start, end in self.spans:
             if n < end - start:
                 return start + n
@@ -198,10 +198,10 @@ class BudgetSettings:
     slack: int
 
 
-def held_candidate_tokens(state: RequestCompressionState, video: CandidateSpans, num_computed: int,
+def held_candidate_tokens(state: RequestCompressionState, candidates: CandidateSpans, num_computed: int,
                       block_size: int) -> int:
     """Video tokens physically held for a request with ``num_computed`` logical tokens."""
-    return state.held_candidates + video.count_in(state.region_blocks * block_size, num_computed)
+    return state.held_candidates + candidates.count_in(state.region_blocks * block_size, num_computed)
 
 
 @dataclass(frozen=True)
@@ -214,7 +214,7 @@ class _Decision:
     num_recent: int
 
 
-def _decide(state: RequestCompressionState, video: CandidateSpans, num_computed: int, num_prompt: int,
+def _decide(state: RequestCompressionState, candidates: CandidateSpans, num_computed: int, num_prompt: int,
             settings: BudgetSettings, bs: int) -> _Decision | None:
     """The compression a request with ``num_computed`` logical tokens gets now, or ``None``.
 
@@ -222,19 +222,19 @@ def _decide(state: RequestCompressionState, video: CandidateSpans, num_computed:
     recent window; it keeps, of them, what the budget leaves once the recent window and the video past the region
     are counted, rounded down to whole blocks (never below the blocks its protected tokens fill).
     """
-    if num_computed >= num_prompt or video.total == 0:
+    if num_computed >= num_prompt or candidates.total == 0:
         return None
-    held = held_candidate_tokens(state, video, num_computed, bs)
-    if held <= settings.budget + settings.slack or video.count_before(num_computed) <= settings.recent:
+    held = held_candidate_tokens(state, candidates, num_computed, bs)
+    if held <= settings.budget + settings.slack or candidates.count_before(num_computed) <= settings.recent:
         return None
     j, j_prev = num_computed // bs, state.region_blocks
     if j < j_prev:
         return None
-    region_held_video = state.held_candidates + video.count_in(j_prev * bs, j * bs)
+    region_held_candidates = state.held_candidates + candidates.count_in(j_prev * bs, j * bs)
     region_held = state.held_blocks * bs + (j - j_prev) * bs
-    past = held - region_held_video  # video past the region (the partial block): all recent, as recent >= it
-    num_recent = min(max(settings.recent - past, 0), region_held_video)
-    selectable = region_held_video - num_recent
+    past = held - region_held_candidates  # video past the region (the partial block): all recent, as recent >= it
+    num_recent = min(max(settings.recent - past, 0), region_held_candidates)
+    selectable = region_held_candidates - num_recent
     protected = region_held - selectable  # text and the recent window's tokens in the region
     k = max(cdiv(protected, bs), (protected - num_recent + settings.budget - past) // bs)
     num_keep_candidates = k * bs - protected
@@ -243,7 +243,7 @@ def _decide(state: RequestCompressionState, video: CandidateSpans, num_computed:
     return _Decision(j, k, num_keep_candidates, selectable, region_held, num_recent)
 
 
-def plan_compression(req_id: str, row: Sequence[int], num_computed: int, num_prompt: int, video: CandidateSpans,
+def plan_compression(req_id: str, row: Sequence[int], num_computed: int, num_prompt: int, candidates: CandidateSpans,
                      state: RequestCompressionState, settings: BudgetSettings,
                      block_size: int) -> CompressionPlan | None:
     """Decide whether to compress a request now and how; ``None`` if not.
@@ -262,7 +262,7 @@ def plan_compression(req_id: str, row: Sequence[int], num_computed: int, num_pro
         Logical tokens whose KV is in the cache or being written by an in-flight step.
     """
     bs = block_size
-    decision = _decide(state, video, num_computed, num_prompt, settings, bs)
+    decision = _decide(state, candidates, num_computed, num_prompt, settings, bs)
     if decision is None:
         return None
     j, k = decision.region_blocks, decision.kept_blocks
@@ -276,11 +276,11 @@ def plan_compression(req_id: str, row: Sequence[int], num_computed: int, num_pro
         req_id=req_id, block_size=bs, prev_region_blocks=state.region_blocks, region_blocks=j,
         prev_held_blocks=state.held_blocks, src_blocks=tuple(src), num_keep=k * bs,
         num_keep_candidates=decision.num_keep_candidates, num_held_candidates=decision.selectable,
-        candidates=video, num_recent=decision.num_recent,
+        candidates=candidates, num_recent=decision.num_recent,
     )
 
 
-def next_compression_point(state: RequestCompressionState, video: CandidateSpans, num_computed: int,
+def next_compression_point(state: RequestCompressionState, candidates: CandidateSpans, num_computed: int,
                            num_prompt: int, settings: BudgetSettings, block_size: int) -> int | None:
     """The next logical position ``P > num_computed`` at which the request is compressed, or ``None``.
 
@@ -291,17 +291,18 @@ def next_compression_point(state: RequestCompressionState, video: CandidateSpans
     function of the same inputs, the whole sequence of points (and what each keeps) is too.
     """
     bs = block_size
-    if video.total == 0 or num_computed + 1 >= num_prompt:
+    if candidates.total == 0 or num_computed + 1 >= num_prompt:
         return None
     # first position holding more than budget + slack video tokens (the held count only grows with P)
-    need = video.count_before(state.region_blocks * bs) + settings.budget + settings.slack - state.held_candidates + 1
+    need = (candidates.count_before(state.region_blocks * bs) + settings.budget + settings.slack
+            - state.held_candidates + 1)
     need = max(need, settings.recent + 1)
-    if need > video.total:
+    if need > candidates.total:
         return None
-    point = max(num_computed + 1, video.position_of(need - 1) + 1)
+    point = max(num_computed + 1, candidates.position_of(need - 1) + 1)
 
     def decides(p: int) -> bool:
-        return _decide(state, video, p, num_prompt, settings, bs) is not None
+        return _decide(state, candidates, p, num_prompt, settings, bs) is not None
 
     while point < num_prompt:
         # Within one block the region's end is fixed and whether a compression is planned only turns on as P grows
@@ -372,20 +373,21 @@ def rebase_state(state: RequestCompressionState, block_size: int) -> tuple[Reque
     return rebased, held, removed
 
 
-def compressed_footprint_blocks(num_tokens: int, video_tokens: int, settings: BudgetSettings,
+def compressed_footprint_blocks(num_tokens: int, candidate_tokens: int, settings: BudgetSettings,
                                 block_size: int) -> int:
-    """Upper bound on the blocks a request of ``num_tokens`` (``video_tokens`` of them video) holds at once.
+    """Upper bound on the blocks a request of ``num_tokens`` (``candidate_tokens`` of them candidates: video and
+    image tokens) holds at once.
 
-    Non-video tokens are all held. Prefill chunks end at compression points
+    Other tokens are all held. Prefill chunks end at compression points
     (:func:`next_compression_point`), where a request holds at most ``budget + slack`` video tokens plus what the
     kept region's protected tokens round up (two blocks bound it), whatever the chunk sizes.
     """
-    held_candidates = min(video_tokens, settings.budget + settings.slack + 2 * block_size)
-    return cdiv(num_tokens - video_tokens + held_candidates, block_size)
+    held_candidates = min(candidate_tokens, settings.budget + settings.slack + 2 * block_size)
+    return cdiv(num_tokens - candidate_tokens + held_candidates, block_size)
 
 
 def stream_footprint_blocks(max_text_tokens: int, settings: BudgetSettings, block_size: int) -> int:
     """Blocks one request holds at most, however long its video, with at most ``max_text_tokens`` non-video
     tokens: what replaces vLLM's "one max-model-len request fits the pool" start-up rule under a policy."""
-    video = settings.budget + settings.slack + 2 * block_size
-    return compressed_footprint_blocks(max_text_tokens + video, video, settings, block_size)
+    candidates = settings.budget + settings.slack + 2 * block_size
+    return compressed_footprint_blocks(max_text_tokens + candidates, candidates, settings, block_size)
