@@ -48,6 +48,7 @@ def test_distributions_against_the_uncompressed_engine(tmp_path: Path) -> None:
     assert (moved > 0).all() and set(outputs) == {0, 1}  # full KV's outputs computed once per question
 
 
+@pytest.mark.slow  # about a minute: four engines and the HF reference (the measure itself is checked above)
 def test_the_benchmark_pairs_every_policy_with_the_reference(tmp_path: Path, capsys) -> None:
     script = load_benchmark("fidelity")
     assert script.main(["--seed", "10000077", "--per-family", "2", "--frames", "16", "--policies", "cords", "uniform",
