@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from cords_vllm.kernel_backend import interpreting, launch
+from cords_vllm.selection.triton_jit import jitted, kernel
 
 try:
     import triton
@@ -50,6 +51,7 @@ NOT_SPECIALIZED = (("num_keep", "pos_s_anchor", "pos_s_head"), ("pos_ptr", "src_
 _RAW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+@kernel(*NOT_SPECIALIZED)
 def _copy_kernel(base_ptr, offsets_ptr, rows_ptr, pos_ptr, src_ptr, dst_ptr,
                  num_keep, heads, channels,
                  s_block, s_head, s_offset, s_channel, pos_s_anchor, pos_s_head, pos_s_row,
@@ -90,11 +92,10 @@ def _copy_kernel(base_ptr, offsets_ptr, rows_ptr, pos_ptr, src_ptr, dst_ptr,
         tile = ahead
 
 
-@functools.cache
 def compiled(interpret: bool):
-    """The copy, jitted on first use, with the arguments of :data:`NOT_SPECIALIZED` left unspecialized."""
-    sizes, pointers = NOT_SPECIALIZED
-    return triton.jit(_copy_kernel, do_not_specialize=sizes, do_not_specialize_on_alignment=pointers)
+    """The copy, jitted on first use (under the interpreter when ``TRITON_INTERPRET=1`` at that time), with the
+    arguments of :data:`NOT_SPECIALIZED` left unspecialized."""
+    return jitted(_copy_kernel, interpret)
 
 
 @functools.cache

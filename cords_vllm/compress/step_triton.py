@@ -27,7 +27,8 @@ frame labels, the copy of their runs to the host, 4 bytes per problem, :class:`~
 
 A step's compressions (:func:`~cords_vllm.compress.step.compress_regions`) share steps 2-3: their units are written to
 rows of one zero-filled buffer (each problem padded with invalid units to the step's largest unit count) and ordered
-by one greedy run, ``4 N + 4`` launches for ``N`` compressions (:class:`UnitRowsToMake`, :class:`GreedyOnRows`), one
+by one greedy run, ``4 N + 4`` launches for ``N`` compressions (:class:`~cords_vllm.compress.unit_rows.UnitRowsToMake`,
+:class:`GreedyOnRows`), one
 more where two or more of them read their frame stats back (:class:`StatsToRead`).
 A compression's rows are padded with invalid units to a multiple of :data:`UNIT_ROWS` in any case.
 
@@ -92,6 +93,7 @@ from cords_vllm.compress.step_kernels import (
     compiled,
     row_width,
 )
+from cords_vllm.compress.unit_rows import UnitRows, UnitRowsToMake
 from cords_vllm.kernel_backend import interpreting, launch
 from cords_vllm.selection.cords_triton import GRAM_LIMIT_BYTES, MAX_UNITS, UNIT_ROWS, greedy_from_units
 from cords_vllm.selection.greedy_params import GreedyParams
@@ -187,22 +189,6 @@ def _stacked(held: Sequence, anchors: Sequence[int]):
     return fields
 
 
-@dataclass(eq=False)
-class _UnitRows:
-    """Where a compression's units go: ``feats`` ``float32 [P, M, 2W]``, ``norms`` ``float32 [3, P, M]`` (key, value
-    and seed norms), ``valid`` ``int8 [P, M]``, ``k`` ``long [P]``; rows ``[start, stop)`` of ``stack``'s when a step's
-    compressions share them (``M`` then the step's largest unit count), else the compression's own (``stack`` is
-    ``None``); ``M`` a multiple of :data:`UNIT_ROWS`, the units past a problem's own count invalid."""
-
-    feats: torch.Tensor
-    norms: torch.Tensor
-    valid: torch.Tensor
-    k: torch.Tensor
-    stack: _UnitRows | None = None
-    start: int = 0
-    stop: int = 0
-
-
 @dataclass(frozen=True, eq=False)
 class StatsToRead:
     """A fused compression's host read (:class:`~cords_vllm.selection.together.Stackable`): its plan's frame count
@@ -238,52 +224,12 @@ class StatsToRead:
 
 
 @dataclass(frozen=True)
-class UnitRowsToMake:
-    """A fused compression's units' buffers (:class:`~cords_vllm.selection.together.Stackable`): its own, or, for a
-    step's compressions together, rows of buffers they share, zero-filled (one launch) so that each problem's units
-    past its own count are invalid, and ordered by one greedy launch (:class:`GreedyOnRows`)."""
-
-    device: torch.device
-    problems: int
-    units: int
-    width: int
-
-    def stack_key(self) -> tuple:
-        return self.device, self.width
-
-    def run(self) -> _UnitRows:
-        p, m, w = self.problems, self.units, self.width
-        norms = torch.empty((3, p, m), dtype=torch.float32, device=self.device)
-        return _UnitRows(torch.empty((p, m, 2 * w), dtype=torch.float32, device=self.device), norms,
-                         torch.empty((p, m), dtype=torch.int8, device=self.device),
-                         torch.empty((p,), dtype=torch.long, device=self.device))
-
-    @classmethod
-    def run_stack(cls, items: Sequence[UnitRowsToMake]) -> list[_UnitRows]:
-        first = items[0]
-        p, m, w = sum(i.problems for i in items), max(i.units for i in items), first.width
-        n_feats, n_norms = p * m * 2 * w, 3 * p * m
-        raw = torch.zeros(8 * p + 4 * (n_feats + n_norms) + p * m, dtype=torch.uint8, device=first.device)
-        floats = raw[8 * p: 8 * p + 4 * (n_feats + n_norms)].view(torch.float32)
-        stack = _UnitRows(floats[:n_feats].view(p, m, 2 * w), floats[n_feats:].view(3, p, m),
-                          raw[8 * p + 4 * (n_feats + n_norms):].view(torch.int8).view(p, m),
-                          raw[: 8 * p].view(torch.long))
-        out, start = [], 0
-        for item in items:
-            stop = start + item.problems
-            out.append(_UnitRows(stack.feats[start:stop], stack.norms[:, start:stop], stack.valid[start:stop],
-                                 stack.k[start:stop], stack, start, stop))
-            start = stop
-        return out
-
-
-@dataclass(frozen=True)
 class GreedyOnRows:
     """The greedy run of a fused compression's units (:class:`~cords_vllm.selection.together.Stackable`): the Gram
     GEMMs and the greedy kernel on its rows, or once on the rows a step's compressions share. Returns
     ``long [P, K]`` (``K >= k_max``, at least 1 column)."""
 
-    rows: _UnitRows
+    rows: UnitRows
     width: int
     k_max: int
     params: GreedyParams
@@ -301,7 +247,7 @@ class GreedyOnRows:
         return [order[i.rows.start:i.rows.stop] for i in items]
 
 
-def _greedy(rows: _UnitRows, width: int, k_max: int, params: GreedyParams) -> torch.Tensor:
+def _greedy(rows: UnitRows, width: int, k_max: int, params: GreedyParams) -> torch.Tensor:
     """The greedy run on ``rows``, in consecutive groups of problems whose Gram matrices stay under the step's
     limit (:mod:`cords_vllm.compress.gram_budget`; one group, one launch sequence, when they fit)."""
     if k_max == 0:
@@ -317,8 +263,8 @@ def _greedy(rows: _UnitRows, width: int, k_max: int, params: GreedyParams) -> to
     return orders[0] if len(orders) == 1 else torch.cat(orders)
 
 
-def gathered_rows(local: _UnitRows, gather, heads: int, head_size: int, interp: bool, norms: bool = True
-                   ) -> SelectionSteps[tuple[_UnitRows, int]]:
+def gathered_rows(local: UnitRows, gather, heads: int, head_size: int, interp: bool, norms: bool = True
+                   ) -> SelectionSteps[tuple[UnitRows, int]]:
     """This rank's units (``local``: its ``heads`` KV heads) with every rank's heads, in the rows the greedy run reads:
     one all-gather of the units' features (``float32 [P, M, 2 * heads * head_size]``, keys then values, in the
     model's head order, as :mod:`~cords_vllm.compress.tensor_parallel` lays them out), their validity and budgets
@@ -391,98 +337,39 @@ def compress_region_fused_steps(caches: Sequence[torch.Tensor], held: Sequence, 
         return _handed_back("a layer holds other tokens than its anchor")  # only the reference gathers per layer
     first = caches[anchors[0]]
     device = first.device
-    _, heads, block_size, channels = first.shape
-    head_size = channels // 2
-    n_anchor = len(anchors)
+    _, heads, _, channels = first.shape
     per_head = setup.per_head
     hp = heads if per_head else 1
-    n_prob = n_anchor * hp
+    n_prob = len(anchors) * hp
     unit = batch.unit(setup)
-    labels_given = batch.new_labels is not None
-    group = batch.group_size
     need, n_cand = batch.num_keep_candidates, batch.num_candidates
     if not 0 <= need < n_cand:
         raise ValueError(f"need: must be in [0, {n_cand}) (the candidate count), got {need}")
-    width = heads * head_size if not per_head else head_size
+    width = heads * (channels // 2) if not per_head else channels // 2
     n_prev = 0 if held[anchors[0]] is None else held[anchors[0]].ids.shape[1]
     n_tok = n_prev + batch.new_ids.shape[0]
     if n_tok > MAX_ROWS:
         return _handed_back(f"a region of more than {MAX_ROWS} rows")
     empty_long = torch.empty(1, dtype=torch.long, device=device)
-    if n_prev:
-        h_ids, h_video, h_labels = _stacked(held, anchors)
-        hs_a, hs_h = h_ids.stride(0), h_ids.stride(1)
-        if h_video.stride()[:2] != (hs_a, hs_h) or (h_labels is not None and h_labels.stride()[:2] != (hs_a, hs_h)):
-            h_ids, h_video = h_ids.contiguous(), h_video.contiguous()
-            h_labels = None if h_labels is None else h_labels.contiguous()
-            hs_a, hs_h = h_ids.stride(0), h_ids.stride(1)
-        if h_ids.shape[1] == 1:
-            hs_h = 0
-    else:  # a first compression: no held tokens, in the types of held ones (one variant for both)
-        h_ids, h_video, h_labels, hs_a, hs_h = empty_long, empty_long.view(torch.bool)[:1], None, 0, 0
-    labels = labels_given and (n_prev == 0 or h_labels is not None)  # the region's labels, as the reference's
-    if unit == "frame" and labels:
-        if group is None:
-            raise ValueError("group_size: required (the largest frame, in tokens) at frame granularity")
-        mode = FRAME
-    elif unit == "token" or group is None or cdiv(need, group) > n_cand // group:
-        mode = TOKEN
-    else:
-        mode = BLOCK
-    if mode != FRAME and (n_cand if mode == TOKEN else n_cand // group) > MAX_UNITS:
+    held_rows = _held_rows(held, anchors, n_prev, empty_long)
+    labels = batch.new_labels is not None and (n_prev == 0 or held_rows[2] is not None)  # as the reference's
+    mode = _unit_mode(unit, labels, batch.group_size, need, n_cand)
+    if mode != FRAME and (n_cand if mode == TOKEN else n_cand // batch.group_size) > MAX_UNITS:
         return _handed_back(f"more than {MAX_UNITS} units")
-
-    def buf(dtype: torch.dtype, *shape: int) -> torch.Tensor:
-        return torch.empty(shape, dtype=dtype, device=device)
-
     block_t = max(16, triton.next_power_of_2(n_tok))
-    region_ids, region_video = buf(torch.long, n_prob, n_tok), buf(torch.bool, n_prob, n_tok)
-    region_labels = buf(torch.long, n_prob, n_tok) if labels else empty_long
-    elig_rank, unit_of, row_of_rank = (buf(torch.int32, n_prob, n_tok) for _ in range(3))
-    unit_start, unit_size, kept_count = (buf(torch.int32, n_prob, n_tok) for _ in range(3))
-    protect = buf(torch.bool, n_prob, n_tok)
-    count, still = buf(torch.int32, n_prob), buf(torch.int32, n_prob)
-    stats, flag = buf(torch.int32, n_prob, 2), buf(torch.int32, 1)
     interp = interpreting()
-    spans = batch.spans.contiguous()
-    launch("plan", compiled(interp, "plan"), (n_prob,),
-        h_ids, h_video, h_labels if h_labels is not None else empty_long, hs_a, hs_h,
-        batch.new_ids.contiguous(), batch.new_labels.contiguous() if labels_given else empty_long,
-        spans, spans.shape[0], region_ids, region_video, region_labels, elig_rank, unit_of, row_of_rank,
-        unit_start, unit_size, protect, count, still, stats, flag,
-        n_prev, n_tok, hp, batch.num_recent, need, group or 1,
-        MODE=mode, LABELS=labels, **row_width(block_t))
+    plan = _launch_plan(batch, held_rows, n_prev, n_tok, hp, n_prob, labels, mode, block_t, interp, empty_long)
 
     # What needs nothing the plan computes is worked out while it runs, before the frame mode's read waits for it.
     params = setup.selector.greedy_params()
     gather = None if per_head else setup.gather_heads
     scan = nonfinite is not None
-    s_block, s_head, s_offset, s_channel = first.stride()
-    starts = tuple(caches[a].data_ptr() - first.data_ptr() for a in anchors)  # bytes
-    offsets = copy_triton.device_table(tuple(s // first.element_size() for s in starts), device)  # made once
-    block_f = max(16, triton.next_power_of_2(width))
-    tile_rows = max(1, TILE_ELEMENTS // block_f)
-    scan_programs = cdiv(n_tok, tile_rows) if scan else 0
-    fp8 = _fp8_mode(codecs, anchors)
-    scales = _scales(codecs, anchors, heads, device) if fp8 else empty_long
-
+    reads = _CacheReads.of(caches, anchors, codecs, width, empty_long)
+    scan_programs = cdiv(n_tok, reads.tile_rows) if scan else 0
     bound = _frames_bound(held, anchors, batch, n_prev, n_cand) if mode == FRAME else None
     read = mode == FRAME and bound is None
-    per_problem = yield StatsToRead(device, stats if read else None)  # with the step's other reads
-    frame_budget = 0
-    if mode == FRAME and not read:  # sized by the host's bound; the units kernel reads the budget from the plan
-        m_units = bound
-        frame_budget = -1 if batch.frame_budget is None else batch.frame_budget
-        k_max = m_units if batch.frame_budget is None else min(batch.frame_budget, m_units)
-    elif mode == FRAME:  # the compression's one host read: the most frames of a problem, and the frame budget
-        m_units = max(c for c, _ in per_problem)
-        frame_budget = batch.frame_budget if batch.frame_budget is not None else max(b for _, b in per_problem)
-        k_max = frame_budget * (m_units > frame_budget)
-    elif mode == BLOCK:
-        m_units = n_cand // group
-        k_max = cdiv(need, group) * (n_cand > cdiv(need, group) * group)
-    else:
-        m_units, k_max = n_cand, need  # need < n_cand: never a covering budget
+    per_problem = yield StatsToRead(device, plan.stats if read else None)  # with the step's other reads
+    m_units, k_max, frame_budget = _unit_counts(mode, batch, per_problem if read else None, bound)
     if m_units > MAX_UNITS or n_prob * m_units * m_units * 8 > GRAM_LIMIT_BYTES:
         return _handed_back(f"more than {MAX_UNITS} units or {GRAM_LIMIT_BYTES >> 30} GiB of Gram matrices")
 
@@ -491,37 +378,188 @@ def compress_region_fused_steps(caches: Sequence[torch.Tensor], held: Sequence, 
     # Under tensor parallelism (joint selection) this rank's units are made alone, then gathered with the other
     # ranks' heads into the rows the greedy run reads; otherwise made in those rows.
     rows = (yield to_make) if gather is None else to_make.run()
-    feats, valid, k = rows.feats, rows.valid, rows.k
-    kn, vn, seed = rows.norms.unbind(0)
-    launch("units", compiled(interp, "units"), (n_prob, unit_rows + scan_programs),
-        first, offsets, scales, batch.src_slots.contiguous(), row_of_rank, unit_start, unit_size, count,
-        feats, kn, vn, seed, valid, k, flag, stats, n_prob,
-        n_tok, unit_rows, feats.shape[1], hp, heads, head_size, frame_budget, k_max,
-        s_block, s_head, s_offset, s_channel,
-        MODE=mode, PER_HEAD=per_head, SCAN=scan, FP8=fp8, BLOCK_SIZE=block_size,
-        ALIGN=copy_triton.alignment(first, starts, head_size),
-        BLOCK_F=block_f, TILE_T=tile_rows)
+    _launch_units(first, reads, batch.src_slots, plan, rows, hp, n_tok, unit_rows, scan_programs, frame_budget,
+                  k_max, mode, per_head, scan, interp)
     if gather is not None:
-        rows, width = yield from gathered_rows(rows, gather, heads, head_size, interp,
+        rows, width = yield from gathered_rows(rows, gather, heads, channels // 2, interp,
                                                 norms=params.space != "normalized")
-        k = rows.k
 
     order = yield GreedyOnRows(rows, width, k_max, params)
-    num_keep = batch.num_keep
+    return _finish(caches, setup, batch, plan, order, rows.k, nonfinite, (len(anchors), hp, heads), n_tok, m_units,
+                   k_max, labels, block_t, interp, empty_long)
+
+
+def _held_rows(held: Sequence, anchors: Sequence[int], n_prev: int, empty_long: torch.Tensor) -> tuple:
+    """The held tokens as the plan program reads them: ``(ids, video, labels, hs_a, hs_h)``, each field
+    ``[A, H', n_prev]`` (:func:`_stacked`; ``labels`` ``None`` where they have none) with its anchor and head strides
+    (the head stride 0 where ``H' = 1``: one row per anchor, shared by its heads). With nothing held (a first
+    compression), placeholders in the held tokens' types (one variant for both)."""
+    if not n_prev:
+        return empty_long, empty_long.view(torch.bool)[:1], None, 0, 0
+    h_ids, h_video, h_labels = _stacked(held, anchors)
+    hs_a, hs_h = h_ids.stride(0), h_ids.stride(1)
+    if h_video.stride()[:2] != (hs_a, hs_h) or (h_labels is not None and h_labels.stride()[:2] != (hs_a, hs_h)):
+        h_ids, h_video = h_ids.contiguous(), h_video.contiguous()
+        h_labels = None if h_labels is None else h_labels.contiguous()
+        hs_a, hs_h = h_ids.stride(0), h_ids.stride(1)
+    if h_ids.shape[1] == 1:
+        hs_h = 0
+    return h_ids, h_video, h_labels, hs_a, hs_h
+
+
+def _unit_mode(unit: str, labels: bool, group: int | None, need: int, n_cand: int) -> int:
+    """The plan program's ``MODE`` for a compression's ``unit``: labelled frames (``FRAME``, where the region has
+    labels), runs of ``group`` candidates (``BLOCK``), or tokens (``TOKEN``: at token units, without a group size, or
+    where the budget of ``need`` tokens covers more runs than the ``n_cand`` candidates hold)."""
+    if unit == "frame" and labels:
+        if group is None:
+            raise ValueError("group_size: required (the largest frame, in tokens) at frame granularity")
+        return FRAME
+    if unit == "token" or group is None or cdiv(need, group) > n_cand // group:
+        return TOKEN
+    return BLOCK
+
+
+@dataclass(frozen=True, eq=False)
+class _PlanRows:
+    """What the plan program writes for the later ones, each problem a row: ``[P, T]`` rows of the region
+    (``ids`` and ``labels`` ``long``, ``video`` ``bool``; ``labels`` a 1-element placeholder without labels), the
+    candidates' ranks (``elig_rank``), units (``unit_of``) and rows by rank (``row_of_rank``), the units' first ranks
+    and sizes (``unit_start``, ``unit_size``), all ``int32``, the protected rows (``protect``, ``bool``) and the
+    finish program's scratch (``kept_count``, ``int32``); ``int32 [P]``: the units (``count``) and the tokens they
+    must keep (``still``); ``stats`` (``int32 [P, 2]``: frames, and frames holding the budget) and ``flag``
+    (``int32 [1]``: a non-finite entry seen)."""
+
+    ids: torch.Tensor
+    video: torch.Tensor
+    labels: torch.Tensor
+    elig_rank: torch.Tensor
+    unit_of: torch.Tensor
+    row_of_rank: torch.Tensor
+    unit_start: torch.Tensor
+    unit_size: torch.Tensor
+    kept_count: torch.Tensor
+    protect: torch.Tensor
+    count: torch.Tensor
+    still: torch.Tensor
+    stats: torch.Tensor
+    flag: torch.Tensor
+
+
+def _launch_plan(batch, held_rows: tuple, n_prev: int, n_tok: int, hp: int, n_prob: int, labels: bool, mode: int,
+                 block_t: int, interp: bool, empty_long: torch.Tensor) -> _PlanRows:
+    """The plan program on ``n_prob`` problems (``hp`` per anchor) of ``n_tok`` rows (``n_prev`` held:
+    :func:`_held_rows`, then ``batch``'s entering tokens), at unit ``mode``, ``block_t`` lanes wide."""
+    device = empty_long.device
+
+    def buf(dtype: torch.dtype, *shape: int) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=device)
+
+    region_ids, region_video = buf(torch.long, n_prob, n_tok), buf(torch.bool, n_prob, n_tok)
+    region_labels = buf(torch.long, n_prob, n_tok) if labels else empty_long
+    elig_rank, unit_of, row_of_rank = (buf(torch.int32, n_prob, n_tok) for _ in range(3))
+    unit_start, unit_size, kept_count = (buf(torch.int32, n_prob, n_tok) for _ in range(3))
+    plan = _PlanRows(region_ids, region_video, region_labels, elig_rank, unit_of, row_of_rank, unit_start, unit_size,
+                     kept_count, buf(torch.bool, n_prob, n_tok), buf(torch.int32, n_prob), buf(torch.int32, n_prob),
+                     buf(torch.int32, n_prob, 2), buf(torch.int32, 1))
+    h_ids, h_video, h_labels, hs_a, hs_h = held_rows
+    spans = batch.spans.contiguous()
+    launch("plan", compiled(interp, "plan"), (n_prob,),
+        h_ids, h_video, h_labels if h_labels is not None else empty_long, hs_a, hs_h,
+        batch.new_ids.contiguous(), batch.new_labels.contiguous() if batch.new_labels is not None else empty_long,
+        spans, spans.shape[0], plan.ids, plan.video, plan.labels, plan.elig_rank, plan.unit_of, plan.row_of_rank,
+        plan.unit_start, plan.unit_size, plan.protect, plan.count, plan.still, plan.stats, plan.flag,
+        n_prev, n_tok, hp, batch.num_recent, batch.num_keep_candidates, batch.group_size or 1,
+        MODE=mode, LABELS=labels, **row_width(block_t))
+    return plan
+
+
+@dataclass(frozen=True, eq=False)
+class _CacheReads:
+    """How the units program reads the anchors' caches (worked out while the plan runs): every anchor's element
+    offset from the first's (``offsets``, a device table), the first's strides (block, head, offset, channel) and
+    access alignment (``align``, :func:`~cords_vllm.compress.copy_triton.alignment`), the fp8 decoding (``fp8``,
+    :func:`_fp8_mode`) and ``scales`` (``float32 [A, 2, H]``, a placeholder without it), and the program's lanes: a
+    unit's channels (``block_f``) and tokens read at once (``tile_rows``)."""
+
+    offsets: torch.Tensor
+    strides: tuple[int, ...]
+    align: int
+    fp8: int
+    scales: torch.Tensor
+    block_f: int
+    tile_rows: int
+
+    @classmethod
+    def of(cls, caches: Sequence[torch.Tensor], anchors: Sequence[int], codecs: Sequence[KVCodec] | None,
+           width: int, empty_long: torch.Tensor) -> _CacheReads:
+        first = caches[anchors[0]]
+        starts = tuple(caches[a].data_ptr() - first.data_ptr() for a in anchors)  # bytes
+        offsets = copy_triton.device_table(tuple(s // first.element_size() for s in starts), first.device)  # once
+        block_f = max(16, triton.next_power_of_2(width))
+        fp8 = _fp8_mode(codecs, anchors)
+        scales = _scales(codecs, anchors, first.shape[1], first.device) if fp8 else empty_long
+        return cls(offsets, first.stride(), copy_triton.alignment(first, starts, first.shape[3] // 2), fp8, scales,
+                   block_f, max(1, TILE_ELEMENTS // block_f))
+
+
+def _unit_counts(mode: int, batch, per_problem: list[list[int]] | None, bound: int | None) -> tuple[int, int, int]:
+    """``(m_units, k_max, frame_budget)``: the most units of a problem, the most it chooses, and the units program's
+    frame budget (0 but at frame units). Frames sized by the host's ``bound`` (``per_problem`` ``None``: the units
+    program reads the budget from the plan, ``-1``, unless the batch gives it), else by the plan's ``[count,
+    budget]`` per problem, read back."""
+    need, n_cand, group = batch.num_keep_candidates, batch.num_candidates, batch.group_size
+    if mode == FRAME and per_problem is None:  # sized by the host's bound; the units kernel reads the budget
+        k_max = bound if batch.frame_budget is None else min(batch.frame_budget, bound)
+        return bound, k_max, -1 if batch.frame_budget is None else batch.frame_budget
+    if mode == FRAME:  # the compression's one host read: the most frames of a problem, and the frame budget
+        m_units = max(c for c, _ in per_problem)
+        frame_budget = batch.frame_budget if batch.frame_budget is not None else max(b for _, b in per_problem)
+        return m_units, frame_budget * (m_units > frame_budget), frame_budget
+    if mode == BLOCK:
+        return n_cand // group, cdiv(need, group) * (n_cand > cdiv(need, group) * group), 0
+    return n_cand, need, 0  # need < n_cand: never a covering budget
+
+
+def _launch_units(first: torch.Tensor, reads: _CacheReads, src_slots: torch.Tensor, plan: _PlanRows,
+                  rows: UnitRows, hp: int, n_tok: int, unit_rows: int, scan_programs: int, frame_budget: int,
+                  k_max: int, mode: int, per_head: bool, scan: bool, interp: bool) -> None:
+    """The units program: every problem's ``unit_rows`` units into ``rows`` (and ``scan_programs`` more programs
+    scanning the region for non-finite entries), read from the anchors' caches (``first``'s layout, ``reads``)."""
+    n_prob, heads, block_size, channels = plan.count.shape[0], first.shape[1], first.shape[2], first.shape[3]
+    kn, vn, seed = rows.norms.unbind(0)
+    launch("units", compiled(interp, "units"), (n_prob, unit_rows + scan_programs),
+        first, reads.offsets, reads.scales, src_slots.contiguous(), plan.row_of_rank, plan.unit_start,
+        plan.unit_size, plan.count, rows.feats, kn, vn, seed, rows.valid, rows.k, plan.flag, plan.stats, n_prob,
+        n_tok, unit_rows, rows.feats.shape[1], hp, heads, channels // 2, frame_budget, k_max, *reads.strides,
+        MODE=mode, PER_HEAD=per_head, SCAN=scan, FP8=reads.fp8, BLOCK_SIZE=block_size, ALIGN=reads.align,
+        BLOCK_F=reads.block_f, TILE_T=reads.tile_rows)
+
+
+def _finish(caches: Sequence[torch.Tensor], setup, batch, plan: _PlanRows, order: torch.Tensor, k: torch.Tensor,
+            nonfinite: torch.Tensor | None, sizes: tuple[int, int, int], n_tok: int, m_units: int, k_max: int,
+            labels: bool, block_t: int, interp: bool, empty_long: torch.Tensor) -> list[HeldTokens]:
+    """The finish program (the kept rows of each problem, in order, and the tokens they hold), the copy of every
+    layer's kept rows, and what each layer holds after (views of ``[A, H', num_keep]`` tensors, expanded over the
+    ``heads``). ``sizes``: ``(anchors, problems per anchor H', heads)``; ``order``: ``long [P, >= k_max]``, the
+    greedy run's units; ``k``: ``long [P]``, how many each problem chose."""
+    n_anchor, hp, heads = sizes
+    n_prob, num_keep, device = n_anchor * hp, batch.num_keep, empty_long.device
     shape = (n_anchor, hp, num_keep)  # the held tokens' views below keep this root
-    positions = buf(torch.long, *shape)
-    out_ids, out_video = buf(torch.long, *shape), buf(torch.bool, *shape)
-    out_labels = buf(torch.long, *shape) if labels else empty_long
-    runs = buf(torch.int32, n_prob) if labels else empty_long
+    positions = torch.empty(shape, dtype=torch.long, device=device)
+    out_ids = torch.empty(shape, dtype=torch.long, device=device)
+    out_video = torch.empty(shape, dtype=torch.bool, device=device)
+    out_labels = torch.empty(shape, dtype=torch.long, device=device) if labels else empty_long
+    runs = torch.empty(n_prob, dtype=torch.int32, device=device) if labels else empty_long
     launch("finish", compiled(interp, "finish"), (n_prob,),
-        order, k, still, count, elig_rank, unit_of, unit_start, unit_size, protect,
-        region_ids, region_video, region_labels, kept_count, positions, out_ids, out_video, out_labels,
-        flag, nonfinite if scan else empty_long, runs,
+        order, k, plan.still, plan.count, plan.elig_rank, plan.unit_of, plan.unit_start, plan.unit_size, plan.protect,
+        plan.ids, plan.video, plan.labels, plan.kept_count, positions, out_ids, out_video, out_labels,
+        plan.flag, nonfinite if nonfinite is not None else empty_long, runs,
         n_tok, max(m_units, 1), k_max, order.stride(0), num_keep,
-        LABELS=labels, SCAN=scan, **row_width(block_t))
+        LABELS=labels, SCAN=nonfinite is not None, **row_width(block_t))
 
     positions = positions.expand(n_anchor, heads, num_keep)
-    row_of = {a: i for i, a in enumerate(anchors)}
+    row_of = {a: i for i, a in enumerate(setup.anchors)}
     anchor_row = [row_of[setup.anchor_of[layer]] for layer in range(len(caches))]
     copy_triton.copy_kept(caches, positions, anchor_row, batch.src_slots, batch.dst_slots)
     out_labels = out_labels if labels else None

@@ -140,21 +140,11 @@ class Selector(abc.ABC):
 
     # -- the main call -----------------------------------------------------------------------------
 
-    def select_steps(
-        self,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        budget: int,
-        *,
-        candidates: torch.Tensor | None = None,
-        granularity: Granularity = "token",
-        group_size: int | None = None,
-        group_index: torch.Tensor | None = None,
-        per_head: bool = False,
-        generator: torch.Generator | None = None,
-        counts: HostCounts | None = None,
-        observation: Observation | None = None,
-    ) -> SelectionSteps[SelectionResult]:
+    def select_steps(self, keys: torch.Tensor, values: torch.Tensor, budget: int, *,
+                     candidates: torch.Tensor | None = None, granularity: Granularity = "token",
+                     group_size: int | None = None, group_index: torch.Tensor | None = None, per_head: bool = False,
+                     generator: torch.Generator | None = None, counts: HostCounts | None = None,
+                     observation: Observation | None = None) -> SelectionSteps[SelectionResult]:
         """Choose which tokens of each problem to keep, as a generator: yields the units it needs ordered
         (:class:`UnitsToOrder`, when this policy :attr:`batches_problems`) and receives their order, so that a caller
         may order several selections together (:func:`~cords_vllm.selection.together.run_together`); :meth:`select`
@@ -216,16 +206,7 @@ class Selector(abc.ABC):
                                      generator, check_finite=counts is None)
         if group_index is not None:
             check_group_index(group_index, keys, granularity)
-        if self.needs_frame_length and group_size is None:
-            raise ValueError(f"group_size: {self.name} needs group_size = tokens per frame at token "
-                             "granularity")
-        token_scores = None
-        if self.needs_observation:
-            if observation is None:
-                raise ValueError(f"observation: {self.name} scores tokens by the attention of observation queries; "
-                                 "pass observation=Observation(queries=[B, Hq, W, D])")
-            observation.check(keys)
-            token_scores = observed_attention(keys, observation, compute_dtype(keys.dtype))
+        token_scores = self._token_scores(keys, group_size, observation)
         units, layout = build_units(keys, values, budget, candidates=candidates, granularity=granularity,
                                     group_size=group_size, group_index=group_index, per_head=per_head,
                                     generator=generator, counts=counts, token_scores=token_scores)
@@ -238,6 +219,22 @@ class Selector(abc.ABC):
         chosen = self._check_order(order, units, on_device=counts is not None)
         return SelectionResult(keep=layout.keep(chosen), order=layout.order(order), granularity=granularity,
                                group_size=group_size, per_head=per_head)
+
+    def _token_scores(self, keys: torch.Tensor, group_size: int | None,
+                      observation: Observation | None) -> torch.Tensor | None:
+        """What this policy reads besides the keys and values (``[B, H, N, D]``), checked: ``group_size`` (tokens per
+        frame, for :attr:`needs_frame_length`) and the ``observation`` queries (for :attr:`needs_observation`), whose
+        attention scores every token (returned, ``[B, H, N]``; ``None`` for the other policies)."""
+        if self.needs_frame_length and group_size is None:
+            raise ValueError(f"group_size: {self.name} needs group_size = tokens per frame at token "
+                             "granularity")
+        if not self.needs_observation:
+            return None
+        if observation is None:
+            raise ValueError(f"observation: {self.name} scores tokens by the attention of observation queries; "
+                             "pass observation=Observation(queries=[B, Hq, W, D])")
+        observation.check(keys)
+        return observed_attention(keys, observation, compute_dtype(keys.dtype))
 
     select = driven_alone(select_steps, "select", """Choose which tokens of each problem to keep: :meth:`select_steps`
         driven to its result alone (same arguments and result, documented there).""", method=True)

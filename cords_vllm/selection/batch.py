@@ -285,15 +285,30 @@ def build_units(
         The :class:`UnitLayout` that turns chosen units back into a ``keep`` mask.
     """
     b_count, h_count, n_tok, d_head = keys.shape
-    device = keys.device
-    cdt = compute_dtype(keys.dtype)
-    p_count, key_dim = (b_count * h_count, d_head) if per_head else (b_count, h_count * d_head)
+    key_dim = d_head if per_head else h_count * d_head
     cand_bn = candidates
     if cand_bn is None:
-        cand_bn = torch.ones((b_count, n_tok), dtype=torch.bool, device=device)
+        cand_bn = torch.ones((b_count, n_tok), dtype=torch.bool, device=keys.device)
     cand = _per_problem(cand_bn, h_count, per_head)
-    rank, n_cand = candidate_ranks(cand)
+    u, k_max = _unit_structure(cand, budget, granularity, group_size, group_index, h_count, per_head, counts)
+    # Features only when some problem has to choose (a covering budget keeps everything).
+    feats = _unit_features(keys, values, cand_bn, u, k_max, granularity, group_size, group_index, per_head, counts)
+    scores = None if token_scores is None else _unit_scores(token_scores, u, per_head)
+    units = UnitBatch(feats=feats, key_dim=key_dim, valid=u.valid, rank=u.rank, count=u.count, k=u.k,
+                      k_max=k_max, period=u.period, granularity=granularity, group_size=group_size,
+                      generator=generator, scores=scores)
+    layout = UnitLayout(candidates=cand, group=u.group, keep_all=u.keep_all,
+                        lead=(b_count, h_count) if per_head else (b_count,))
+    return units, layout
 
+
+def _unit_structure(cand: torch.Tensor, budget: int, granularity: str, group_size: int | None,
+                    group_index: torch.Tensor | None, h_count: int, per_head: bool, counts: HostCounts | None
+                    ) -> tuple[_Units, int]:
+    """The units of the problems' candidates (``cand``: ``bool [P, N]``) at ``granularity``, and ``k_max``, the
+    most units any problem chooses (from ``counts`` where given, else read from the device). ``group_index``:
+    ``long [B, N]`` labels (frame granularity), repeated over the ``h_count`` heads when ``per_head``."""
+    rank, n_cand = candidate_ranks(cand)
     if granularity == "token":
         u = _token_units(cand, rank, n_cand, budget, group_size)
         k_max = None if counts is None else budget * (counts.require("max_candidates", granularity) > budget)
@@ -308,27 +323,33 @@ def build_units(
         k_max = None if counts is None else budget // size * (most > budget)
     if k_max is None:  # the most any problem chooses: k is where(keeps all, 0, its budget in units)
         k_max = int(u.k.max()) if u.k.numel() else 0
+    return u, k_max
+
+
+def _unit_features(keys: torch.Tensor, values: torch.Tensor, cand_bn: torch.Tensor, u: _Units, k_max: int,
+                   granularity: str, group_size: int | None, group_index: torch.Tensor | None, per_head: bool,
+                   counts: HostCounts | None) -> torch.Tensor:
+    """The units' features, ``[P, M, 2 * key_dim]`` (keys then values, in the compute dtype): the candidate tokens'
+    own, or their groups' centroids (labelled groups of ``u.group``, or fixed runs of ``group_size`` candidates of
+    ``cand_bn``, ``bool [B, N]``). Where no problem chooses (``k_max == 0``) an expanded zero of that shape."""
+    b_count, h_count, _, d_head = keys.shape
+    cdt = compute_dtype(keys.dtype)
     n_units = u.valid.shape[1]
-
-    # Features only when some problem has to choose (a covering budget keeps everything).
     if k_max == 0:
-        zero = torch.zeros((), dtype=cdt, device=device)
-        feats = zero.expand(p_count, n_units, 2 * key_dim)
-    elif u.group is None:
-        feats = token_features(keys, values, per_head, cdt)
-    elif group_index is not None:
-        feats = group_centroids(token_features(keys, values, per_head, cdt), u.group, n_units)
-    else:
-        feats = group_features(keys, values, cand_bn, _require_group_size(group_size, granularity), n_units,
-                               per_head, cdt, None if counts is None else counts.max_candidates)
+        p_count, key_dim = (b_count * h_count, d_head) if per_head else (b_count, h_count * d_head)
+        zero = torch.zeros((), dtype=cdt, device=keys.device)
+        return zero.expand(p_count, n_units, 2 * key_dim)
+    if u.group is None:
+        return token_features(keys, values, per_head, cdt)
+    if group_index is not None:
+        return group_centroids(token_features(keys, values, per_head, cdt), u.group, n_units)
+    return group_features(keys, values, cand_bn, _require_group_size(group_size, granularity), n_units, per_head, cdt,
+                          None if counts is None else counts.max_candidates)
 
-    scores = None
-    if token_scores is not None:
-        per_token = token_scores.reshape(p_count, n_tok) if per_head else token_scores.mean(dim=1)  # [P, N]
-        scores = per_token if u.group is None else group_centroids(per_token[..., None], u.group, n_units)[..., 0]
-    units = UnitBatch(feats=feats, key_dim=key_dim, valid=u.valid, rank=u.rank, count=u.count, k=u.k,
-                      k_max=k_max, period=u.period, granularity=granularity, group_size=group_size,
-                      generator=generator, scores=scores)
-    layout = UnitLayout(candidates=cand, group=u.group, keep_all=u.keep_all,
-                        lead=(b_count, h_count) if per_head else (b_count,))
-    return units, layout
+
+def _unit_scores(token_scores: torch.Tensor, u: _Units, per_head: bool) -> torch.Tensor:
+    """The units' scores, ``[P, M]``: the tokens' (``token_scores``: ``[B, H, N]``, each head's where ``per_head``,
+    else their mean over the heads), or their groups' means."""
+    b_count, h_count, n_tok = token_scores.shape
+    per_token = token_scores.reshape(b_count * h_count, n_tok) if per_head else token_scores.mean(dim=1)  # [P, N]
+    return per_token if u.group is None else group_centroids(per_token[..., None], u.group, u.valid.shape[1])[..., 0]

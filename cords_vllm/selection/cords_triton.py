@@ -60,6 +60,7 @@ import torch
 
 from cords_vllm.kernel_backend import interpreting, launch
 from cords_vllm.selection.greedy_params import GreedyParams, snap_tolerance
+from cords_vllm.selection.triton_jit import device_function, jitted, kernel
 
 logger = logging.getLogger(__name__)
 
@@ -80,15 +81,23 @@ try:
 except ImportError:  # the kernels are only built when kernel_backend says Triton runs
     triton = tl = None
 
+#: The greedy kernel's arguments Triton must not specialize, so that another budget compiles nothing: the step count
+#: and the directions' cap (integers that change from one run to the next, which Triton would otherwise compile a
+#: variant for at the value 1 and at multiples of 16), and the per-unit vectors and scratch that may be views at
+#: varying offsets (rows of a step's shared buffers; alignment). The unit count and the Gram matrices' strides stay
+#: specialized: the fused step pads the units to a multiple of 16, so every Gram row it reads is 16-byte aligned.
+NOT_SPECIALIZED = (("k_max", "b_rows"), ("kn_ptr", "vn_ptr", "seed_ptr", "valid_ptr", "k_ptr", "out_ptr", "proj_ptr"))
 
+
+@device_function
 def _exact_residual(res, thr, n_dirs, j, offs, inside, m_units, feats_ptr, f_row, f_unit, comp_off, comp_dim,
                     basis_ptr, b_base, b_rows, proj_ptr, p_row, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
     """One component's (keys' or values') exact novelty after unit ``j`` joins the selected set: the squared
     residuals ``res`` (``[BLOCK]``, snapped to 0 below ``thr``) lose their projection on ``j``'s new direction.
 
-    As the reference's :func:`~cords_vllm.selection.cords._new_direction` and residual update, op for op: ``j`` adds a
-    direction only while its own residual is positive; the direction is ``x_j`` orthogonalised against the
-    ``n_dirs`` directions so far (classical Gram-Schmidt, twice) and normalised; every unit's residual loses the
+    As the reference's :func:`~cords_vllm.selection.cords_torch._new_direction` and residual update, op for op:
+    ``j`` adds a direction only while its own residual is positive; the direction is ``x_j`` orthogonalised against
+    the ``n_dirs`` directions so far (classical Gram-Schmidt, twice) and normalised; every unit's residual loses the
     square of its projection on it, is clamped at 0 and snapped to 0 at ``thr``. The directions are rows of
     ``basis[b_base:]`` (``comp_dim`` wide, at most ``b_rows`` of them: a span of ``comp_dim`` dimensions holds no
     more). The reference keeps a zero row where no direction is added; here none is kept, which changes no sum but
@@ -126,6 +135,7 @@ def _exact_residual(res, thr, n_dirs, j, offs, inside, m_units, feats_ptr, f_row
     return res, n_dirs
 
 
+@device_function
 def _range_keys(x):
     """Integer keys of a state row ``x`` (``float32 [BLOCK]``: ``>= +0`` in the pool, ``-inf`` out of it) whose
     maximum, one reduction, gives the pool's range (:func:`_range_of`): ``[BLOCK, 2]``, the bits of ``x`` and those of
@@ -137,32 +147,33 @@ def _range_keys(x):
     return tl.join(bits, ~bits & 0x7FFFFFFF)
 
 
+@device_function
 def _range_of(keys):
     """``(max x, -min |x|)`` (``float32`` scalars) from the maximum of :func:`_range_keys` (``int32 [2]``)."""
     hi, lo = tl.split(keys)
     return hi.to(tl.float32, bitcast=True), -((~lo & 0x7FFFFFFF).to(tl.float32, bitcast=True))
 
 
+@kernel(*NOT_SPECIALIZED)
 def _greedy_kernel(gk_ptr, gv_ptr, kn_ptr, vn_ptr, seed_ptr, valid_ptr, k_ptr, out_ptr, state_ptr, ids_ptr,
                    feats_ptr, basis_ptr, proj_ptr, m_units, k_max, gram_stride, f_problem, f_unit, comp_dim, value_off,
-                   b_rows,
-                   alpha, one_minus_alpha, neg2a, neg2b, eta, one_minus_eta, lam, eps0, tol, neg_snap,
+                   b_rows, alpha, one_minus_alpha, neg2a, neg2b, eta, one_minus_eta, lam, eps0, tol, neg_snap,
                    USE_KD: tl.constexpr, USE_VD: tl.constexpr, USE_KO: tl.constexpr, USE_VO: tl.constexpr,
                    EXACT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
                    COMPACT: tl.constexpr):
     """One problem's whole greedy run (program ``p``); writes ``out[p, :k_max]`` (``-1`` after ``k[p]``).
 
     ``state[p]``: the program's scratch, ``float32 [9, m_units]``: every unit's squared-norm sum ``base`` and its
-    reciprocal key and value norms, written once and read back by each step (the chosen unit's, and every unit's
-    rather than holding them in registers, which spilled); where the run compacts its pool (``COMPACT``), the same
-    three of the pool's units and their running state (distance, key and value novelty), packed, and their indices
-    in ``ids[p]`` (``int32 [m_units]``).
+    reciprocal key and value norms, written once and read back by each step (the chosen unit's, written by another
+    thread, rather than every thread working them out from its norms again, a division each: some 25 instructions a
+    step for every warp; and every unit's rather than holding them in registers, which spilled); where the run
+    compacts its pool (``COMPACT``), the same three of the pool's units and their running state (distance, key and
+    value novelty), packed, and their indices in ``ids[p]`` (``int32 [m_units]``).
 
     ``EXACT``: the novelty is the exact residual (:func:`_exact_residual`, reading the units' features
     ``feats[p]``, ``f_unit`` apart, keys at 0 and values at ``value_off``, each ``comp_dim`` wide; the directions in
     ``basis[p]``, ``[C, b_rows, comp_dim]`` for the ``C`` components the novelty reads, keys first; the projections
-    in ``proj[p]``, ``[m_units]``), else the max-cosine
-    surrogate (from the Gram rows)."""
+    in ``proj[p]``, ``[m_units]``), else the max-cosine surrogate (from the Gram rows)."""
     p = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     inside = offs < m_units
@@ -177,14 +188,11 @@ def _greedy_kernel(gk_ptr, gv_ptr, kn_ptr, vn_ptr, seed_ptr, valid_ptr, k_ptr, o
         base = base + one_minus_alpha * (vn * vn)
     inv_kn = tl.where(kn > 0.0, 1.0 / tl.where(kn > 0.0, kn, 1.0), 0.0)
     inv_vn = tl.where(vn > 0.0, 1.0 / tl.where(vn > 0.0, vn, 1.0), 0.0)
-    # A step reads the chosen unit's terms back (written by another thread: after the barrier) rather than every
-    # thread working them out from its norms again (a division each: some 25 instructions a step for every warp).
     state = p * (9 * m_units)
     tl.store(state_ptr + state + offs, base, mask=inside)
     tl.store(state_ptr + state + m_units + offs, inv_kn, mask=inside)
     tl.store(state_ptr + state + 2 * m_units + offs, inv_vn, mask=inside)
-    tl.debug_barrier()
-
+    tl.debug_barrier()  # the terms, read back by other threads
     # The seed: the lowest index within tol (relative) of the best seed score.
     seed = tl.where(valid, tl.load(seed_ptr + vec + offs, mask=inside, other=0.0), float("-inf"))
     best = tl.max(seed, 0)
@@ -196,7 +204,46 @@ def _greedy_kernel(gk_ptr, gv_ptr, kn_ptr, vn_ptr, seed_ptr, valid_ptr, k_ptr, o
     min_dist = tl.where(valid, float("inf"), float("-inf"))
     run_k = tl.where(valid, 2.0, float("-inf"))
     run_v = tl.where(valid, 2.0, float("-inf"))
-    # Read only by the exact novelty.
+    thr_k, thr_v, res_k, res_v, dirs_k, dirs_v, f_row, b_key, b_value = _exact_start(
+        kn, vn, min_dist, p, tol, f_problem, b_rows, comp_dim, USE_KO, USE_VO, EXACT)
+    # A problem runs its own k[p] steps (at most k_max: a step's problems share the launch, each its own budget,
+    # and a frame compression sized by the host's bound takes its budget from the device), then pads its row with -1.
+    steps = tl.minimum(k_p, k_max).to(tl.int32)
+    for t0 in range(steps, k_max, BLOCK):
+        tail = t0 + offs
+        tl.store(out_ptr + p * k_max + tail, tl.full([BLOCK], -1, tl.int64), mask=tail < k_max)
+    # Steps on the whole row, then, once the pool fits in half of it, on the pool alone (COMPACT): a step's work
+    # follows the units still in the pool, not those the region started with.
+    t_half = steps
+    if COMPACT and not EXACT:
+        t_half = tl.minimum(tl.maximum(tl.sum(valid.to(tl.int32), 0) - BLOCK // 2, 0), steps)
+    for t in range(0, t_half):
+        j, min_dist, run_k, run_v, res_k, res_v, dirs_k, dirs_v = _step(
+            t, j, min_dist, run_k, run_v, res_k, res_v, dirs_k, dirs_v, thr_k, thr_v, offs, offs, inside, state, state,
+            p, gk_ptr, gv_ptr, out_ptr, state_ptr, feats_ptr, basis_ptr, proj_ptr, m_units, k_max, gram_stride, f_row,
+            f_unit, comp_dim, value_off, b_key, b_value, b_rows, vec, eta, one_minus_eta, lam, eps0, tol, neg_snap,
+            neg2a, neg2b, USE_KD, USE_VD, USE_KO, USE_VO, EXACT, BLOCK, BLOCK, BLOCK_D, BLOCK_S)
+    if COMPACT and not EXACT:  # noqa: SIM102 (a compile-time branch: the code below is not built without it)
+        if t_half < steps:
+            ids, at, held, packed, pool_d, pool_k, pool_v = _compact_pool(
+                state_ptr, ids_ptr, state, vec, offs, min_dist, run_k, run_v, m_units, BLOCK)
+            for t in range(t_half, steps):
+                j, pool_d, pool_k, pool_v, res_k, res_v, dirs_k, dirs_v = _step(
+                    t, j, pool_d, pool_k, pool_v, res_k, res_v, dirs_k, dirs_v, thr_k, thr_v, ids, at, held, state,
+                    packed, p, gk_ptr, gv_ptr, out_ptr, state_ptr, feats_ptr, basis_ptr, proj_ptr, m_units, k_max,
+                    gram_stride, f_row, f_unit, comp_dim, value_off, b_key, b_value, b_rows, vec, eta,
+                    one_minus_eta, lam, eps0, tol, neg_snap, neg2a, neg2b, USE_KD, USE_VD, USE_KO, USE_VO, EXACT,
+                    BLOCK // 2, BLOCK, BLOCK_D, BLOCK_S)
+
+
+@device_function
+def _exact_start(kn, vn, min_dist, p, tol, f_problem, b_rows, comp_dim,
+                 USE_KO: tl.constexpr, USE_VO: tl.constexpr, EXACT: tl.constexpr):
+    """The exact novelty's state before the first step (read only by it; without ``EXACT``, placeholders): the
+    squared residuals' snapping thresholds and the residuals (``[BLOCK]`` each, keys then values: the squared norms
+    ``kn``, ``vn``, 0 only for zero vectors, as the reference's), the directions so far (0 of each), where problem
+    ``p``'s features start (``f_row``) and where its keys' and values' directions do (``b_key``, ``b_value``: a block
+    of ``b_rows`` directions of ``comp_dim`` per component the novelty reads, keys first)."""
     thr_k, thr_v, res_k, res_v = min_dist, min_dist, min_dist, min_dist
     dirs_k, dirs_v = tl.zeros([], dtype=tl.int32), tl.zeros([], dtype=tl.int32)
     f_row, b_key, b_value = p, p, p
@@ -214,58 +261,41 @@ def _greedy_kernel(gk_ptr, gv_ptr, kn_ptr, vn_ptr, seed_ptr, valid_ptr, k_ptr, o
         b_value = b_key
         if USE_KO:
             b_value = b_key + b_rows * comp_dim
-    # A problem runs its own k[p] steps (at most k_max: a step's problems share the launch, each its own budget,
-    # and a frame compression sized by the host's bound takes its budget from the device), then pads its row with -1.
-    steps = tl.minimum(k_p, k_max).to(tl.int32)
-    for t0 in range(steps, k_max, BLOCK):
-        tail = t0 + offs
-        tl.store(out_ptr + p * k_max + tail, tl.full([BLOCK], -1, tl.int64), mask=tail < k_max)
-    # Steps on the whole row, then, once the pool fits in half of it, on the pool alone (COMPACT): a step's work
-    # follows the units still in the pool, not those the region started with.
-    t_half = steps
-    if COMPACT and not EXACT:
-        t_half = tl.minimum(tl.maximum(tl.sum(valid.to(tl.int32), 0) - BLOCK // 2, 0), steps)
-    for t in range(0, t_half):
-        j, min_dist, run_k, run_v, res_k, res_v, dirs_k, dirs_v = _step(
-            t, j, min_dist, run_k, run_v, res_k, res_v, dirs_k, dirs_v, thr_k, thr_v, offs, offs, inside, state, state,
-            p,
-            gk_ptr, gv_ptr, out_ptr, state_ptr, feats_ptr, basis_ptr, proj_ptr, m_units, k_max, gram_stride, f_row,
-            f_unit, comp_dim, value_off, b_key, b_value, b_rows, vec, eta, one_minus_eta, lam, eps0, tol, neg_snap,
-            neg2a, neg2b, USE_KD, USE_VD, USE_KO, USE_VO, EXACT, BLOCK, BLOCK, BLOCK_D, BLOCK_S)
-    if COMPACT and not EXACT:  # noqa: SIM102 (a compile-time branch: the code below is not built without it)
-        if t_half < steps:
-            # The pool (the unit chosen last included: it leaves at the next step) in index order, half as wide: its
-            # units' indices, running state and terms (a second set of rows), each written where its rank puts it.
-            # It holds n_valid - t_half <= BLOCK // 2 units: each step takes one of the pool's (a score that is
-            # NaN, from Gram entries past float32's range, could break that; what is past the half is left out).
-            keep = min_dist > float("-inf")
-            rank = tl.cumsum(keep.to(tl.int32), 0) - 1
-            count = tl.sum(keep.to(tl.int32), 0)
-            packed = state + 3 * m_units
-            running = state + 6 * m_units
-            tl.store(ids_ptr + vec + rank, offs, mask=keep)
-            for r in tl.static_range(3):  # the terms, from their rows (not kept in registers through the steps)
-                term = tl.load(state_ptr + state + r * m_units + offs, mask=keep, other=0.0)
-                tl.store(state_ptr + packed + r * m_units + rank, term, mask=keep)
-            tl.store(state_ptr + running + rank, min_dist, mask=keep)
-            tl.store(state_ptr + running + m_units + rank, run_k, mask=keep)
-            tl.store(state_ptr + running + 2 * m_units + rank, run_v, mask=keep)
-            tl.debug_barrier()  # written by other threads, read back below
-            at = tl.arange(0, BLOCK // 2)
-            held = at < count
-            ids = tl.load(ids_ptr + vec + at, mask=held, other=0)
-            pool_d = tl.load(state_ptr + running + at, mask=held, other=float("-inf"))
-            pool_k = tl.load(state_ptr + running + m_units + at, mask=held, other=float("-inf"))
-            pool_v = tl.load(state_ptr + running + 2 * m_units + at, mask=held, other=float("-inf"))
-            for t in range(t_half, steps):
-                j, pool_d, pool_k, pool_v, res_k, res_v, dirs_k, dirs_v = _step(
-                    t, j, pool_d, pool_k, pool_v, res_k, res_v, dirs_k, dirs_v, thr_k, thr_v, ids, at, held, state,
-                    packed, p, gk_ptr, gv_ptr, out_ptr, state_ptr, feats_ptr, basis_ptr, proj_ptr, m_units, k_max,
-                    gram_stride, f_row, f_unit, comp_dim, value_off, b_key, b_value, b_rows, vec, eta,
-                    one_minus_eta, lam, eps0, tol, neg_snap, neg2a, neg2b, USE_KD, USE_VD, USE_KO, USE_VO, EXACT,
-                    BLOCK // 2, BLOCK, BLOCK_D, BLOCK_S)
+    return thr_k, thr_v, res_k, res_v, dirs_k, dirs_v, f_row, b_key, b_value
 
 
+@device_function
+def _compact_pool(state_ptr, ids_ptr, state, vec, offs, min_dist, run_k, run_v, m_units, BLOCK: tl.constexpr):
+    """The pool (the unit chosen last included: it leaves at the next step) in index order, half as wide: its units'
+    indices (to ``ids[vec ...]``), running state (distance ``min_dist``, key and value novelty ``run_k``, ``run_v``:
+    ``[BLOCK]``) and terms (a second set of rows, ``state[packed + r * m_units]``), each written where its rank puts
+    it. It holds n_valid - t_half <= BLOCK // 2 units: each step takes one of the pool's (a score that is NaN, from
+    Gram entries past float32's range, could break that; what is past the half is left out). Returns the packed
+    pool's indices, slots (``at``) and which slots hold a unit (``held``), ``packed``, and its running state, each
+    ``[BLOCK // 2]``."""
+    keep = min_dist > float("-inf")
+    rank = tl.cumsum(keep.to(tl.int32), 0) - 1
+    count = tl.sum(keep.to(tl.int32), 0)
+    packed = state + 3 * m_units
+    running = state + 6 * m_units
+    tl.store(ids_ptr + vec + rank, offs, mask=keep)
+    for r in tl.static_range(3):  # the terms, from their rows (not kept in registers through the steps)
+        term = tl.load(state_ptr + state + r * m_units + offs, mask=keep, other=0.0)
+        tl.store(state_ptr + packed + r * m_units + rank, term, mask=keep)
+    tl.store(state_ptr + running + rank, min_dist, mask=keep)
+    tl.store(state_ptr + running + m_units + rank, run_k, mask=keep)
+    tl.store(state_ptr + running + 2 * m_units + rank, run_v, mask=keep)
+    tl.debug_barrier()  # written by other threads, read back below
+    at = tl.arange(0, BLOCK // 2)
+    held = at < count
+    ids = tl.load(ids_ptr + vec + at, mask=held, other=0)
+    pool_d = tl.load(state_ptr + running + at, mask=held, other=float("-inf"))
+    pool_k = tl.load(state_ptr + running + m_units + at, mask=held, other=float("-inf"))
+    pool_v = tl.load(state_ptr + running + 2 * m_units + at, mask=held, other=float("-inf"))
+    return ids, at, held, packed, pool_d, pool_k, pool_v
+
+
+@device_function
 def _step(t, j, min_dist, run_k, run_v, res_k, res_v, dirs_k, dirs_v, thr_k, thr_v, ids, at, inside, state, terms, p,
           gk_ptr, gv_ptr, out_ptr, state_ptr, feats_ptr, basis_ptr, proj_ptr, m_units, k_max, gram_stride, f_row,
           f_unit, comp_dim, value_off, b_key, b_value, b_rows, vec, eta, one_minus_eta, lam, eps0, tol, neg_snap,
@@ -344,27 +374,10 @@ def _step(t, j, min_dist, run_k, run_v, res_k, res_v, dirs_k, dirs_v, thr_k, thr
     return j, min_dist, run_k, run_v, res_k, res_v, dirs_k, dirs_v
 
 
-#: The greedy kernel's arguments Triton must not specialize, so that another budget compiles nothing: the step count
-#: and the directions' cap (integers that change from one run to the next, which Triton would otherwise compile a
-#: variant for at the value 1 and at multiples of 16), and the per-unit vectors and scratch that may be views at
-#: varying offsets (rows of a step's shared buffers; alignment). The unit count and the Gram matrices' strides stay
-#: specialized: the fused step pads the units to a multiple of 16, so every Gram row it reads is 16-byte aligned.
-NOT_SPECIALIZED = (("k_max", "b_rows"), ("kn_ptr", "vn_ptr", "seed_ptr", "valid_ptr", "k_ptr", "out_ptr", "proj_ptr"))
-
-
-@functools.cache
 def compiled(interpret: bool):
     """The kernel, jitted on first use (under the interpreter when ``TRITON_INTERPRET=1`` at that time), with the
     arguments of :data:`NOT_SPECIALIZED` left unspecialized."""
-    sizes, pointers = NOT_SPECIALIZED
-    return triton.jit(_greedy_kernel, do_not_specialize=sizes, do_not_specialize_on_alignment=pointers)
-
-
-if triton is not None:  # the kernel's helper: jitted (compiled or interpreted alike) when Triton imports
-    _exact_residual = triton.jit(_exact_residual)
-    _range_keys = triton.jit(_range_keys)
-    _range_of = triton.jit(_range_of)
-    _step = triton.jit(_step)
+    return jitted(_greedy_kernel, interpret)
 
 
 @contextlib.contextmanager
@@ -430,7 +443,7 @@ def cords_greedy_triton(feats: torch.Tensor, key_dim: int, valid: torch.Tensor, 
     keys, values = feats[..., :key_dim], feats[..., key_dim:]
     kn = torch.linalg.vector_norm(keys, dim=-1) if terms.need_k else feats.new_zeros((p_count, m_units))
     vn = torch.linalg.vector_norm(values, dim=-1) if terms.need_v else kn
-    # The reference's seed score (cords._seed): ||k + v||, or the norm of the one space the distance reads.
+    # The reference's seed score (cords_torch._seed): ||k + v||, or the norm of the one space the distance reads.
     seed = torch.linalg.vector_norm(keys + values, dim=-1) if terms.use_kd and terms.use_vd else None
     return greedy_from_units(feats, key_dim, kn, vn, seed, valid, k, k_max, params)
 

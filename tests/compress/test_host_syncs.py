@@ -105,7 +105,7 @@ def test_the_exact_novelty_reads_its_saturation_back_about_once():
     """``novelty="exact"`` (an ablation) reads one flag per step from step ``H * D`` until its residuals vanish:
     on random keys and values once, the step they span the feature space."""
     count, _ = _count("cords", "token", novelty="exact")
-    assert len(count.syncs) == 1 and "/selection/cords.py" in count.syncs[0], count.syncs
+    assert len(count.syncs) == 1 and "/selection/cords_torch.py" in count.syncs[0], count.syncs
     assert count.uploads == []
 
 
