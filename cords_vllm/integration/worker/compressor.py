@@ -162,10 +162,10 @@ class WorkerCompressor:
         logger.info("cords-vllm: compress step on %s: %s", self.device,
                     describe_path(self.caches, self.accessors, self.codecs, self.setup))
         self.requests: dict[str, WorkerRequest] = {}
-        #: The queries an attention-scored policy observes (``None`` for the others).
-        self.capture = self._query_capture(runner, modules) if self.setup.selector.needs_observation else None
         #: Streaming sessions' turns: the scheduler's re-base plans until each turn arrives, and its positions.
         self.sessions = SessionTurns(self.requests, self.block_size)
+        #: The queries an attention-scored policy observes (``None`` for the others).
+        self.capture = self._query_capture(runner, modules) if self.setup.selector.needs_observation else None
         self.totals = _Totals()
         #: Device time of each compression: CUDA events on a GPU (read once complete), the host clock on CPU.
         self.timer = CompressionTimer.for_device(self.device)
