@@ -35,6 +35,7 @@ inter-token latency + <= 2 ms beside compressing streams (``cords`` against ``no
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -240,8 +241,8 @@ def targets(cells: dict[str, Cell], plan: Plan) -> list[dict[str, Any]]:
     """The issue's serving targets, PASS / MISS, or ``None`` where this run cannot judge (CPU, or not measured)."""
     rows = []
     on_gpu = plan.name == "gpu"
-    cords = (cells.get("cords") or Cell("", "", [])).ramp or {}
-    none = (cells.get("none") or Cell("", "", [])).ramp or {}
+    cords = getattr(cells.get("cords"), "ramp", None) or {}
+    none = getattr(cells.get("none"), "ramp", None) or {}
     at64 = next((lv for lv in cords.get("levels", []) if lv["streams"] == 64), None)
     rows.append({"target": "compressing <= 5% of GPU time at 64 live streams",
                  "value": None if at64 is None else f"{100 * at64['compress_share']:.1f}%",
@@ -349,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         weights = [1.0 if x in plan.ramped else ONESHOT_WEIGHT for x in plan.policies[i:]]
         cells[label] = run_cell(label, plan, models, time.monotonic() + remaining * weights[0] / sum(weights))
     payload: dict[str, Any] = {
-        "plan": {k: v for k, v in plan.__dict__.items()}, "machine": machine(), "date": time.strftime("%Y-%m-%d"),
+        "plan": dataclasses.asdict(plan), "machine": machine(), "date": time.strftime("%Y-%m-%d"),
         "cells": {k: c.__dict__ for k, c in cells.items()}, "itl_delta": {n: itl_delta(cells, n) for n in (32, 64)}}
     if not args.no_step and time.monotonic() < deadline:
         payload["step"] = step(plan, out)

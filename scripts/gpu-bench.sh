@@ -3,8 +3,8 @@
 # measures). No weights are read (weightless model directories, vllm serve --load-format dummy).
 #
 #   bash scripts/gpu-bench.sh            # GPU host: vLLM 0.32's CUDA build importable by $PYTHON (python3): this
-#                                        # checkout installed with its cuda extra, or the offline kit (its env.sh,
-#                                        # sourced if present at $KIT_DIR/env.sh); this checkout goes first on
+#                                        # checkout installed with its cuda extra, or the offline kit (set KIT_DIR
+#                                        # to its directory: its env.sh is sourced); this checkout goes first on
 #                                        # PYTHONPATH. About 8 minutes.
 #   bash scripts/gpu-bench.sh --cpu      # the same steps on vLLM's CPU build in .venv at a scaled-down shape
 #   bash scripts/gpu-bench.sh --quick    # CPU: the one-minute subset
@@ -29,9 +29,11 @@ if [ -n "$cpu" ]; then
   [ -f "$VENV/.cords-vllm-installed" ] || make -s setup VENV="$VENV"  # the project's CPU environment
   exec "$VENV/bin/python" benchmarks/gpu_bench.py "${args[@]}"
 fi
-KIT_DIR=${KIT_DIR:-/tmp/kit}
-# shellcheck disable=SC1091
-[ -f "$KIT_DIR/env.sh" ] && . "$KIT_DIR/env.sh"
+if [ -n "${KIT_DIR:-}" ]; then  # the offline kit's environment, where its install.sh wrote it
+  [ -f "$KIT_DIR/env.sh" ] || { echo "gpu-bench: KIT_DIR=$KIT_DIR holds no env.sh (run the kit's install.sh)" >&2; exit 2; }
+  # shellcheck disable=SC1091
+  . "$KIT_DIR/env.sh"
+fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0}  # the offline kit brings no flashinfer
 exec "${PYTHON:-python3}" benchmarks/gpu_bench.py --plan gpu "${args[@]}"

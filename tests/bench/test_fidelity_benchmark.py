@@ -42,9 +42,9 @@ def test_distributions_against_the_uncompressed_engine(tmp_path: Path) -> None:
     # every layer's attention output at the answer, in the HF reference replaying the engine's evictions
     reference, outputs = HFReference(str(checkpoint)), {}
     assert whole.evictions == [{}] * 4 and all(len(e) >= 1 for e in small.evictions)
-    untouched = layer_errors_of(reference, examples[:2], whole.evictions, outputs)
+    untouched = layer_errors_of(reference, examples[:2], whole.evictions, whole.prompt_lens, outputs)
     assert np.array(untouched).shape == (2, len(reference.attention_layers)) and not np.any(untouched)
-    moved = np.array(layer_errors_of(reference, examples[:2], small.evictions, outputs))
+    moved = np.array(layer_errors_of(reference, examples[:2], small.evictions, small.prompt_lens, outputs))
     assert (moved > 0).all() and set(outputs) == {0, 1}  # full KV's outputs computed once per question
 
 

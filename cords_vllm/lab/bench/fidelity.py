@@ -94,11 +94,12 @@ def answer_logprobs(outputs: Sequence[Any], vocab: int) -> torch.Tensor:
 @dataclass
 class CellOutputs:
     """What one cell's engine gave: ``[N, V]`` answer log-probabilities, greedy answers, the mean candidate tokens
-    held, and (traced runs) each question's evictions ``{at_token: kept per layer}``."""
+    held, each question's prompt length and (traced runs) its evictions ``{at_token: kept per layer}``."""
 
     logprobs: torch.Tensor
     answers: list[str]
     held: float
+    prompt_lens: list[int]
     evictions: list[dict[int, Any]] | None = None
     #: The engine's compressions and the seconds its selections took (the compress step's own timing).
     compressions: int = 0
@@ -112,21 +113,31 @@ def run_distributions(checkpoint: str | Path, examples: Sequence[VQAExample], sp
     from vllm import SamplingParams
 
     from cords_vllm.integration.inprocess.introspect import snapshot
+    from cords_vllm.integration.worker.compressor import TRACE_ENV
     from cords_vllm.lab.reference.exactness import evictions_of
 
-    if trace:
-        os.environ["CORDS_VLLM_TRACE"] = "1"  # read when the engine is built
     snapshots: list[Any] = []
     params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=-1)
-    outputs, held = run_cell(checkpoint, examples, spec, budget, shape, params,
-                             engine_overrides={"max_logprobs": -1}, on_llm=lambda llm: snapshots.append(snapshot(llm)))
+    previous = os.environ.get(TRACE_ENV)
+    if trace:
+        os.environ[TRACE_ENV] = "1"  # read when the engine is built; this cell's alone
+    try:
+        outputs, held = run_cell(checkpoint, examples, spec, budget, shape, params,
+                                 engine_overrides={"max_logprobs": -1},
+                                 on_llm=lambda llm: snapshots.append(snapshot(llm)))
+    finally:
+        if previous is None:
+            os.environ.pop(TRACE_ENV, None)
+        else:
+            os.environ[TRACE_ENV] = previous
     (snap,) = snapshots
     events = list(snap.events)
     # the engine's request ids are the outputs' (possibly with a "-suffix"): "1" must not take "10"'s events
     evictions = [evictions_of([e for e in events if e.req_id == o.request_id or e.req_id.startswith(
         o.request_id + "-")]) for o in outputs] if trace else None
     return CellOutputs(answer_logprobs(outputs, vocab_size(checkpoint)), [o.outputs[0].text for o in outputs], held,
-                       evictions, snap.compressions, snap.selection_seconds)
+                       [len(o.prompt_token_ids) for o in outputs], evictions, snap.compressions,
+                       snap.selection_seconds)
 
 
 def evaluate_fidelity(checkpoint: str | Path, examples: Sequence[VQAExample], policies: Sequence[PolicySpec | str],
@@ -154,7 +165,7 @@ def evaluate_fidelity(checkpoint: str | Path, examples: Sequence[VQAExample], po
                             time.perf_counter() - started, run.compressions, run.compress_seconds)
         if reference is not None and fraction is not None:
             cell.layer_errors = layer_errors_of(reference, examples[:attention_questions], run.evictions,
-                                                full_outputs)
+                                                run.prompt_lens, full_outputs)
         cells.append(cell)
         if on_cell:
             on_cell(cell)
@@ -162,16 +173,16 @@ def evaluate_fidelity(checkpoint: str | Path, examples: Sequence[VQAExample], po
 
 
 def layer_errors_of(reference: Any, examples: Sequence[VQAExample], evictions: Sequence[dict[int, Any]],
-                    full_outputs: dict[int, torch.Tensor]) -> list[list[float]]:
-    """``[n][L]`` attention-output errors of each question's evictions against full KV (``full_outputs``: the
-    full-KV outputs by question, filled on first use)."""
+                    prompt_lens: Sequence[int], full_outputs: dict[int, torch.Tensor]) -> list[list[float]]:
+    """``[n][L]`` attention-output errors of each question's evictions against full KV (``prompt_lens``: the
+    engine's prompt lengths; ``full_outputs``: the full-KV outputs by question, filled on first use)."""
     from cords_vllm.lab.reference.layer_outputs import attention_outputs, layer_errors
 
     errors = []
     for i, example in enumerate(examples):
         if i not in full_outputs:
-            full_outputs[i] = attention_outputs(reference, example.prompt, example.frames)
-        mine = attention_outputs(reference, example.prompt, example.frames, evictions[i])
+            full_outputs[i] = attention_outputs(reference, example.prompt, example.frames, prompt_lens[i])
+        mine = attention_outputs(reference, example.prompt, example.frames, prompt_lens[i], evictions[i])
         errors.append(layer_errors(full_outputs[i], mine).tolist())
     return errors
 

@@ -221,7 +221,8 @@ class ChatProbe:
 
 
 class ProcessCPU:
-    """CPU cores a process (and, with ``children``, its descendants) used between two readings."""
+    """CPU cores a process used between two readings; with ``children``, its descendants' instead (the engine's
+    processes under an API server, read apart from the server itself)."""
 
     def __init__(self, pid: int, *, children: bool = False) -> None:
         import psutil

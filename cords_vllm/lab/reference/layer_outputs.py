@@ -18,10 +18,10 @@ import torch
 from cords_vllm.lab.reference.exactness import chunks_for
 
 
-def attention_outputs(reference: Any, prompt: str, frames: np.ndarray,
+def attention_outputs(reference: Any, prompt: str, frames: np.ndarray, length: int,
                       evictions: Mapping[int, Sequence[torch.Tensor | None]] | None = None) -> torch.Tensor:
-    """``[L, hidden]``: each attention layer's output at the prompt's last token, prefilled in chunks that start
-    at the ``evictions``' points (``{at_token: kept per layer}``, as
+    """``[L, hidden]``: each attention layer's output at the prompt's last token, the ``length`` prompt tokens (the
+    engine's count) prefilled in chunks that start at the ``evictions``' points (``{at_token: kept per layer}``, as
     :func:`~cords_vllm.lab.reference.exactness.evictions_of` gives; ``None``: full KV, one chunk)."""
     layers = reference.model.model.language_model.layers
     seen: dict[int, torch.Tensor] = {}
@@ -31,11 +31,10 @@ def attention_outputs(reference: Any, prompt: str, frames: np.ndarray,
             seen[index] = output[0][0, -1].detach().clone()  # the chunk's last token; the last chunk wins
         return capture
 
+    # a compression at the prompt's end acts after the answer was read: only earlier ones matter here
+    evictions = {at: kept for at, kept in (evictions or {}).items() if at < length}
     handles = [layers[i].self_attn.register_forward_hook(hook(i)) for i in reference.attention_layers]
     try:
-        length = int(reference.encoded(prompt, frames).ids.numel())
-        # a compression at the prompt's end acts after the answer was read: only earlier ones matter here
-        evictions = {at: kept for at, kept in (evictions or {}).items() if at < length}
         reference.run(prompt, frames, max_new_tokens=1, chunk_sizes=chunks_for(length, evictions),
                       evictions=evictions)
     finally:
